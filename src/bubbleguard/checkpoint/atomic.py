@@ -1,0 +1,57 @@
+"""Atomic file writes: the building block of every commit marker.
+
+A reader either sees the old file or the complete new one, never a torn write: the bytes go to
+a temporary file in the same directory, are fsynced, renamed over the target, and the directory
+is fsynced so the rename itself survives a power loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Flush a directory's entries (a rename or a new file in it) to stable storage."""
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers never observe a partial file.
+
+    Raises:
+        FileNotFoundError: the parent directory does not exist.
+        PermissionError: the directory is not writable.
+        OSError: the write failed (for example, the disk is full); ``path`` is then unchanged.
+    """
+    target = Path(path)
+    parent = target.parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"cannot write {target}: directory {parent} does not exist")
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        # Leave no temporary file behind; the target still holds its previous content.
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(parent)
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically (see :func:`atomic_write_bytes`)."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
