@@ -1,0 +1,334 @@
+"""The pipeline runtime: executes a stage's action list over torch.distributed point-to-point.
+
+Every rank builds a :class:`PipelineJob` for its stage and calls :meth:`PipelineJob.step` once per
+iteration with the same arguments (its replica's batch); each rank uses what its stage needs (the
+first stage the inputs, the last stage the targets). Receives are posted non-blocking and waited on
+where the schedule needs the data; while a stage waits, an optional :class:`IdleWork` (checkpoint
+copies) runs in the window, and the wait is recorded as an idle event on the timeline.
+
+Call order, per rank::
+
+    job = PipelineJob(stage, optimizer, loss_fn, layout=Layout(P, D), schedule="1f1b",
+                      num_microbatches=M)          # all ranks; creates the replica groups
+    for step in ...:
+        loss = job.step(inputs, targets)           # all ranks; returns the loss on last stages
+
+Gradients of data-parallel replicas of a stage are averaged with one all-reduce before the optimizer
+step; the last stage's loss rides along in the same buffer, so reporting it costs no extra
+collective.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bubbleguard.pipeline.layout import Layout
+from bubbleguard.pipeline.schedules import Action, ActionKind, PipelineSchedule, build_schedule, validate
+from bubbleguard.pipeline.stage import StageModule
+from bubbleguard.pipeline.timeline import EventKind, Timeline
+
+__all__ = ["IdleWork", "PipelineJob"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Shapes are negotiated once with a fixed-size header: dtype code, ndim, up to 8 dims.
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+_HEADER_LEN = 10
+
+
+class IdleWork(Protocol):
+    """Work that a stage can do while it waits for a receive (checkpoint copies)."""
+
+    def run_one(self) -> bool:
+        """Do one short unit of work; return False when there is nothing left to do."""
+        ...
+
+
+class _RecvWaiter:
+    """Waits on receive handles in a helper thread, so the main thread can work meanwhile.
+
+    Gloo's ``Work.is_completed()`` does not turn true for a receive until someone calls ``wait()``,
+    so the only way to learn "the data is here" without blocking is to block in another thread.
+    ``wait()`` releases the GIL, and so do the tensor copies the main thread does meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[dist.Work, threading.Event, list[BaseException]] | None] = (
+            queue.Queue())
+        self._thread = threading.Thread(target=self._loop, name="bubbleguard-recv", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            work, done, errors = job
+            try:
+                work.wait()
+            except Exception as exc:  # handed to the main thread, which re-raises it
+                errors.append(exc)
+            done.set()
+
+    def wait(self, work: dist.Work, idle_work: IdleWork) -> None:
+        done, errors = threading.Event(), []  # type: ignore[var-annotated]
+        self._jobs.put((work, done, errors))
+        while not done.is_set():
+            if not idle_work.run_one():
+                done.wait()
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
+class PipelineJob:
+    """Runs one stage of a pipeline-parallel (optionally data-parallel) training job.
+
+    Args:
+        stage: this rank's :class:`StageModule` (see :func:`bubbleguard.pipeline.stage.split`).
+        optimizer: optimizer over ``stage``'s parameters.
+        loss_fn: ``loss_fn(output, target)`` giving the mean loss of one microbatch.
+        layout: stages x replicas; defaults to ``Layout(stage.num_stages)``.
+        schedule: ``"gpipe"``, ``"1f1b"`` or a prebuilt :class:`PipelineSchedule`.
+        num_microbatches: microbatches per iteration (must divide the batch).
+        timeline: record a timeline of every action (cheap; needed for bubble maps).
+        idle_work: work to run in the idle windows, or None.
+
+    Raises:
+        ValueError: the layout does not match the process group or the stage.
+        RuntimeError: a multi-rank layout without ``torch.distributed`` initialised.
+    """
+
+    def __init__(
+        self,
+        stage: StageModule,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        *,
+        layout: Layout | None = None,
+        schedule: str | PipelineSchedule = "1f1b",
+        num_microbatches: int = 1,
+        timeline: bool = True,
+        idle_work: IdleWork | None = None,
+    ) -> None:
+        self.layout = layout or Layout(stage.num_stages)
+        if self.layout.num_stages != stage.num_stages:
+            raise ValueError(f"layout has {self.layout.num_stages} stages but the stage module was "
+                             f"split into {stage.num_stages}")
+        if self.layout.world_size > 1 and not dist.is_initialized():
+            raise RuntimeError(f"a layout of {self.layout.world_size} ranks needs "
+                               "torch.distributed initialised (launch with torchrun)")
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != self.layout.world_size:
+            raise ValueError(f"layout {self.layout.num_stages} stages x "
+                             f"{self.layout.num_replicas} replicas needs {self.layout.world_size} "
+                             f"ranks, the process group has {world}")
+        if self.layout.stage_of(self.rank) != stage.stage_index:
+            raise ValueError(f"rank {self.rank} holds stage {self.layout.stage_of(self.rank)} in the "
+                             f"layout but was given stage {stage.stage_index}")
+        self.stage = stage
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.schedule = (schedule if isinstance(schedule, PipelineSchedule)
+                         else build_schedule(schedule, stage.num_stages, num_microbatches))
+        validate(self.schedule)
+        self.num_microbatches = self.schedule.num_microbatches
+        self.actions: tuple[Action, ...] = self.schedule.stages[stage.stage_index]
+        self.replica = self.layout.replica_of(self.rank)
+        self.timeline = Timeline(self.rank, stage.stage_index, self.replica, enabled=timeline)
+        self.idle_work = idle_work
+        self.step_count = 0
+        # Every rank must create every group, in the same order.
+        self._replica_group: dist.ProcessGroup | None = None
+        if self.layout.num_replicas > 1:
+            for s in range(self.layout.num_stages):
+                group = dist.new_group(self.layout.replica_ranks(s))
+                if s == stage.stage_index:
+                    self._replica_group = group
+        self._input_meta: tuple[torch.Size, torch.dtype] | None = None
+        self._output_meta: tuple[torch.Size, torch.dtype] | None = None
+        self._waiter: _RecvWaiter | None = None
+
+    # ----------------------------------------------------------------- helpers
+
+    def _peer_rank(self, peer_stage: int) -> int:
+        return self.layout.rank(peer_stage, self.replica)
+
+    @staticmethod
+    def _tag(action: Action) -> int:
+        assert action.microbatch is not None
+        is_grad = action.kind in (ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)
+        return 2 * action.microbatch + int(is_grad)
+
+    def _wait_recv(self, work: dist.Work, action: Action, index: int) -> None:
+        start = time.perf_counter()
+        if self.idle_work is None:
+            work.wait()
+        else:
+            if self._waiter is None:
+                self._waiter = _RecvWaiter()
+            self._waiter.wait(work, self.idle_work)
+        self.timeline.add(EventKind.IDLE, f"wait {action}", start, time.perf_counter(), index)
+
+    def _negotiate_shapes(self, first_microbatch: torch.Tensor | None) -> None:
+        """Learn the activation shapes at both ends of this stage, stage by stage.
+
+        The first stage runs one microbatch through a no-grad forward and tells the next stage what
+        it produced; each stage does the same with a zero input of the announced shape. RNG state is
+        restored afterwards so that the real first step sees the same random numbers.
+        """
+        if self.stage.is_first:
+            assert first_microbatch is not None
+            x = first_microbatch
+        else:
+            header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+            dist.recv(header, self._peer_rank(self.stage.stage_index - 1))
+            ndim = int(header[1])
+            x = torch.zeros(tuple(int(d) for d in header[2:2 + ndim]), dtype=_DTYPES[int(header[0])])
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            y = self.stage(x)
+        self._input_meta = (x.shape, x.dtype)
+        self._output_meta = (y.shape, y.dtype)
+        if not self.stage.is_last:
+            if y.dim() > _HEADER_LEN - 2 or y.dtype not in _DTYPES:
+                raise ValueError(f"stage {self.stage.stage_index} output {tuple(y.shape)} "
+                                 f"{y.dtype} cannot cross a stage boundary")
+            header = torch.tensor([_DTYPES.index(y.dtype), y.dim(), *y.shape]
+                                  + [0] * (_HEADER_LEN - 2 - y.dim()), dtype=torch.int64)
+            dist.send(header, self._peer_rank(self.stage.stage_index + 1))
+
+    def _microbatches(self, batch: torch.Tensor | None, what: str) -> list[torch.Tensor] | None:
+        if batch is None:
+            return None
+        m = self.num_microbatches
+        if batch.shape[0] % m:
+            raise ValueError(f"{what} batch of {batch.shape[0]} rows does not split into "
+                             f"{m} microbatches; use a batch size divisible by {m}")
+        return list(batch.chunk(m))
+
+    # -------------------------------------------------------------------- step
+
+    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float | None:
+        """Run one training iteration (forward, backward, gradient averaging, optimizer step).
+
+        Args:
+            inputs: this replica's input batch (needed on the first stage; ignored elsewhere).
+            targets: this replica's targets (needed on the last stage; ignored elsewhere).
+
+        Returns:
+            On last stages, the iteration's mean loss over all replicas' batches; None elsewhere.
+
+        Raises:
+            ValueError: a missing or indivisible batch on a stage that needs it.
+        """
+        stage = self.stage
+        if stage.is_first and inputs is None:
+            raise ValueError("the first stage needs the inputs batch")
+        if stage.is_last and targets is None:
+            raise ValueError("the last stage needs the targets batch")
+        in_mbs = self._microbatches(inputs, "inputs") if stage.is_first else None
+        tgt_mbs = self._microbatches(targets, "targets") if stage.is_last else None
+        if self._input_meta is None:
+            self._negotiate_shapes(in_mbs[0] if in_mbs else None)
+        assert self._input_meta is not None and self._output_meta is not None
+        self.step_count += 1
+        self.timeline.step = self.step_count
+        stage_inputs: dict[int, torch.Tensor] = {}
+        stage_outputs: dict[int, torch.Tensor] = {}
+        losses: dict[int, torch.Tensor] = {}
+        received: dict[tuple[ActionKind, int], torch.Tensor] = {}
+        pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        tl = self.timeline
+        for index, action in enumerate(self.actions):
+            kind, mb = action.kind, action.microbatch
+            if kind is ActionKind.RECV_ACT or kind is ActionKind.RECV_GRAD:
+                assert mb is not None and action.peer is not None
+                shape, dtype = (self._input_meta if kind is ActionKind.RECV_ACT
+                                else self._output_meta)
+                buf = torch.empty(shape, dtype=dtype)
+                work = dist.irecv(buf, self._peer_rank(action.peer), tag=self._tag(action))
+                assert work is not None
+                self._wait_recv(work, action, index)
+                received[(kind, mb)] = buf
+            elif kind is ActionKind.FORWARD:
+                assert mb is not None
+                with tl.span(EventKind.COMPUTE, str(action), index):
+                    if stage.is_first:
+                        assert in_mbs is not None
+                        x = in_mbs[mb]
+                    else:
+                        x = received.pop((ActionKind.RECV_ACT, mb)).requires_grad_()
+                    y = stage(x)
+                    stage_inputs[mb] = x
+                    if stage.is_last:
+                        assert tgt_mbs is not None
+                        losses[mb] = self.loss_fn(y, tgt_mbs[mb]) / self.num_microbatches
+                        loss_sum += losses[mb].detach().double()
+                    else:
+                        stage_outputs[mb] = y
+            elif kind is ActionKind.BACKWARD:
+                assert mb is not None
+                with tl.span(EventKind.COMPUTE, str(action), index):
+                    if stage.is_last:
+                        losses.pop(mb).backward()
+                    else:
+                        grad = received.pop((ActionKind.RECV_GRAD, mb))
+                        torch.autograd.backward(stage_outputs.pop(mb), grad_tensors=grad)
+            elif kind is ActionKind.SEND_ACT or kind is ActionKind.SEND_GRAD:
+                assert mb is not None and action.peer is not None
+                with tl.span(EventKind.SEND, str(action), index):
+                    if kind is ActionKind.SEND_ACT:
+                        payload = stage_outputs[mb].detach()
+                    else:
+                        grad_in = stage_inputs.pop(mb).grad
+                        assert grad_in is not None, "stage input received no gradient"
+                        payload = grad_in
+                    work = dist.isend(payload, self._peer_rank(action.peer), tag=self._tag(action))
+                    assert work is not None
+                    pending_sends.append((work, payload))
+            elif kind is ActionKind.STEP:
+                with tl.span(EventKind.STEP, "STEP", index):
+                    for work, _ in pending_sends:
+                        work.wait()
+                    loss_sum = self._average_gradients(loss_sum)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+        return float(loss_sum) if stage.is_last else None
+
+    def _average_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Average gradients (and the loss) over the stage's replicas with one all-reduce."""
+        if self._replica_group is None:
+            return loss_sum
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in params] + [loss_sum.to(params[0].dtype).reshape(1)])
+        start = time.perf_counter()
+        dist.all_reduce(flat, group=self._replica_group)
+        self.timeline.add(EventKind.ALLREDUCE, "allreduce grads", start, time.perf_counter())
+        flat /= self.layout.num_replicas
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+        return flat[offset].double()
+
+    def close(self) -> None:
+        """Stop the helper thread, if one was started. The process group stays as it is."""
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
+
+
+def stage_parameters_by_name(stage: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of a stage's parameters keyed by whole-model name (for comparisons)."""
+    return {n: p.detach().clone() for n, p in stage.named_parameters()}
