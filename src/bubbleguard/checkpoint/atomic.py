@@ -7,6 +7,7 @@ is fsynced so the rename itself survives a power loss.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -44,10 +45,8 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
         os.replace(tmp_name, target)
     except BaseException:
         # Leave no temporary file behind; the target still holds its previous content.
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
         raise
     fsync_dir(parent)
 

@@ -28,10 +28,15 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from bubbleguard.pipeline.layout import Layout
-from bubbleguard.pipeline.schedules import Action, ActionKind, PipelineSchedule, build_schedule, validate
+from bubbleguard.pipeline.schedules import (
+    Action,
+    ActionKind,
+    PipelineSchedule,
+    build_schedule,
+    validate,
+)
 from bubbleguard.pipeline.stage import StageModule
 from bubbleguard.pipeline.timeline import EventKind, Timeline
 
@@ -328,7 +333,3 @@ class PipelineJob:
             self._waiter.close()
             self._waiter = None
 
-
-def stage_parameters_by_name(stage: nn.Module) -> dict[str, torch.Tensor]:
-    """Detached copies of a stage's parameters keyed by whole-model name (for comparisons)."""
-    return {n: p.detach().clone() for n, p in stage.named_parameters()}

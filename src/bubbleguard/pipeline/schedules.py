@@ -218,38 +218,36 @@ def validate(schedule: PipelineSchedule) -> None:
             raise ValueError(f"stage {s}: the action list must end with STEP")
         if sum(a.kind is ActionKind.STEP for a in actions) != 1:
             raise ValueError(f"stage {s}: exactly one STEP expected")
-        done_forward: set[int] = set()
-        done_backward: set[int] = set()
+        done_forward: set[int | None] = set()
+        done_backward: set[int | None] = set()
         for i, a in enumerate(actions):
             if a.kind is ActionKind.FORWARD:
                 if a.microbatch in done_forward:
                     raise ValueError(f"stage {s}: forward of microbatch {a.microbatch} twice")
-                done_forward.add(a.microbatch)  # type: ignore[arg-type]
+                done_forward.add(a.microbatch)
             elif a.kind is ActionKind.BACKWARD:
                 if a.microbatch not in done_forward:
                     raise ValueError(f"stage {s}: backward {a.microbatch} before its forward")
                 if a.microbatch in done_backward:
                     raise ValueError(f"stage {s}: backward of microbatch {a.microbatch} twice")
-                done_backward.add(a.microbatch)  # type: ignore[arg-type]
+                done_backward.add(a.microbatch)
             elif a.kind.is_recv:
                 consumer = ActionKind.FORWARD if a.kind is ActionKind.RECV_ACT else ActionKind.BACKWARD
                 nxt = actions[i + 1] if i + 1 < len(actions) else None
                 if nxt is None or nxt.kind is not consumer or nxt.microbatch != a.microbatch:
                     raise ValueError(f"stage {s}: {a} is not directly followed by its consumer")
-        expected = set(range(m))
+        expected: set[int | None] = set(range(m))
         if done_forward != expected or done_backward != expected:
-            raise ValueError(f"stage {s}: forwards {sorted(done_forward)}, backwards "
-                             f"{sorted(done_backward)}; expected each of 0..{m - 1} once")
+            raise ValueError(f"stage {s}: forwards {sorted(map(str, done_forward))}, backwards "
+                             f"{sorted(map(str, done_backward))}; expected each of 0..{m - 1} once")
+
+    def microbatches(stage: int, kind: ActionKind) -> list[int | None]:
+        return [a.microbatch for a in schedule.stages[stage] if a.kind is kind]
+
     for s in range(p - 1):
-        sends = [(a.kind, a.microbatch) for a in schedule.stages[s] if a.kind is ActionKind.SEND_ACT]
-        recvs = [(a.kind, a.microbatch) for a in schedule.stages[s + 1]
-                 if a.kind is ActionKind.RECV_ACT]
-        if [mb for _, mb in sends] != [mb for _, mb in recvs]:
+        if microbatches(s, ActionKind.SEND_ACT) != microbatches(s + 1, ActionKind.RECV_ACT):
             raise ValueError(f"activation sends of stage {s} do not pair with receives of {s + 1}")
-        sends = [(a.kind, a.microbatch) for a in schedule.stages[s + 1]
-                 if a.kind is ActionKind.SEND_GRAD]
-        recvs = [(a.kind, a.microbatch) for a in schedule.stages[s] if a.kind is ActionKind.RECV_GRAD]
-        if [mb for _, mb in sends] != [mb for _, mb in recvs]:
+        if microbatches(s + 1, ActionKind.SEND_GRAD) != microbatches(s, ActionKind.RECV_GRAD):
             raise ValueError(f"gradient sends of stage {s + 1} do not pair with receives of {s}")
     for s, actions in enumerate(schedule.stages):
         for a in actions:

@@ -1,0 +1,135 @@
+"""``bubbleguard``: the command line.
+
+    bubbleguard demo                      a short pipeline-parallel run with a trace and a bubble map
+    bubbleguard train --stages 2 ...      launch a training run on this machine (torchrun machinery)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from bubbleguard.elastic.launcher import LaunchError
+from bubbleguard.models import MODEL_NAMES
+from bubbleguard.pipeline.schedules import SCHEDULE_NAMES, build_schedule
+from bubbleguard.report.bubbles import compare_bubbles
+from bubbleguard.report.trace import write_chrome_trace
+from bubbleguard.train import TrainConfig, run_local
+
+__all__ = ["build_parser", "main"]
+
+# --layers/--width/--seq-len mean the same thing for both built-in models, under their own names.
+_MODEL_OPTION_NAMES = {
+    "gpt": {"layers": "num_layers", "width": "d_model", "seq_len": "seq_len"},
+    "mlp": {"layers": "num_layers", "width": "hidden", "seq_len": "context"},
+}
+
+
+def _add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    p.add_argument("--model", choices=MODEL_NAMES, default=defaults.model)
+    p.add_argument("--stages", type=int, default=defaults.stages, help="pipeline stages P")
+    p.add_argument("--replicas", type=int, default=defaults.replicas,
+                   help="data-parallel replicas D of the pipeline")
+    p.add_argument("--microbatches", type=int, default=defaults.microbatches,
+                   help="microbatches per iteration M")
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                   help="rows per iteration over all replicas (a multiple of D*M)")
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default=defaults.schedule)
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--layers", type=int, help="model layers (transformer blocks / MLP blocks)")
+    p.add_argument("--width", type=int, help="model width (d_model / hidden)")
+    p.add_argument("--seq-len", type=int, help="tokens per row (seq_len / context)")
+    p.add_argument("--trace", help="write a Chrome trace JSON here (open it in Perfetto)")
+    p.add_argument("--metrics", help="append one JSON line per step here")
+    p.add_argument("--run-dir", help="keep the ranks' timelines and bubble map here")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``bubbleguard`` command."""
+    parser = argparse.ArgumentParser(prog="bubbleguard", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="launch pipeline-parallel training on this machine")
+    _add_train_arguments(train, TrainConfig())
+    demo = sub.add_parser("demo", help="a short default run with a trace and a bubble map")
+    demo.add_argument("--out", default="bubbleguard-demo",
+                      help="directory for the trace, metrics and bubble map")
+    demo.add_argument("--steps", type=int, default=DEMO.steps)
+    return parser
+
+
+DEMO = TrainConfig(model="gpt", stages=2, microbatches=4, batch_size=32, schedule="1f1b", steps=30,
+                   model_options={"d_model": 128, "num_layers": 4})
+
+
+def _config_from_args(args: argparse.Namespace) -> TrainConfig:
+    names = _MODEL_OPTION_NAMES[args.model]
+    options = {names[k]: getattr(args, k) for k in names if getattr(args, k) is not None}
+    return TrainConfig(model=args.model, stages=args.stages, replicas=args.replicas,
+                       microbatches=args.microbatches, batch_size=args.batch_size,
+                       schedule=args.schedule, steps=args.steps, seed=args.seed, lr=args.lr,
+                       model_options=options, trace=args.trace, metrics=args.metrics,
+                       progress=not args.no_progress)
+
+
+def run_training(cfg: TrainConfig, run_dir: str | None) -> int:
+    """Launch ``cfg`` on local ranks, then write the trace and print the bubble map."""
+    keep = run_dir is not None
+    run_path = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="bubbleguard-run-"))
+    run_path.mkdir(parents=True, exist_ok=True)
+    cfg = dataclasses.replace(cfg, run_dir=str(run_path))
+    for out in (cfg.trace, cfg.metrics):
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+    print(f"bubbleguard: {cfg.model}, {cfg.stages} stages x {cfg.replicas} replicas, "
+          f"{cfg.schedule}, {cfg.microbatches} microbatches, {cfg.steps} steps", flush=True)
+    try:
+        run = run_local(cfg)
+        events = run.events
+        print(f"final loss {run.final_loss:.4f}")
+        if cfg.trace:
+            write_chrome_trace(cfg.trace, events)
+            print(f"trace: {cfg.trace} (open in https://ui.perfetto.dev)")
+        if cfg.steps >= 3:
+            summary, record = compare_bubbles(
+                events, build_schedule(cfg.schedule, cfg.stages, cfg.microbatches))
+            print(summary)
+            (run_path / "bubbles.json").write_text(json.dumps(record, indent=2))
+    finally:
+        if not keep:
+            shutil.rmtree(run_path, ignore_errors=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``bubbleguard`` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return run_training(_config_from_args(args), args.run_dir)
+        if args.command == "demo":
+            out = Path(args.out)
+            cfg = dataclasses.replace(DEMO, steps=args.steps, trace=str(out / "trace.json"),
+                                      metrics=str(out / "metrics.jsonl"))
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+            return run_training(cfg, str(out))
+    except ValueError as exc:
+        print(f"bubbleguard: error: {exc}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:
+        print(f"bubbleguard: {exc}", file=sys.stderr)
+        return 1
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""The built-in training job: what ``bubbleguard train`` runs on every rank.
+
+Read it top to bottom: it is also the example of how to use the library in your own script.
+:class:`TrainConfig` is validated in the launching process, before any rank starts;
+:func:`train_worker` is the per-rank entry point that torchrun's machinery calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from bubbleguard.data import TokenBatches, load_corpus
+from bubbleguard.elastic.launcher import launch_local
+from bubbleguard.models import (
+    MODEL_NAMES,
+    build_model,
+    lm_loss,
+    model_config,
+    model_seq_len,
+    model_target,
+)
+from bubbleguard.pipeline.layout import Layout
+from bubbleguard.pipeline.runtime import PipelineJob
+from bubbleguard.pipeline.schedules import SCHEDULE_NAMES
+from bubbleguard.pipeline.stage import partition_layers, split
+from bubbleguard.pipeline.timeline import TimelineEvent, load_events, save_events
+
+__all__ = ["RunResult", "TrainConfig", "max_local_ranks", "run_local", "train_worker"]
+
+
+def max_local_ranks() -> int:
+    """How many ranks one machine may launch: 8 per CPU core.
+
+    Past that, ranks spend their time descheduled and gloo's timeouts fire; correctness runs of
+    larger layouts fit under it, timing runs should stay at one rank per core.
+    """
+    return 8 * (os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs; checked on construction.
+
+    Attributes:
+        model: built-in model, ``"gpt"`` or ``"mlp"``.
+        stages: pipeline stages P.
+        replicas: data-parallel replicas D of the whole pipeline.
+        microbatches: microbatches per iteration M.
+        batch_size: rows per iteration over all replicas; divisible by D * M.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        steps: optimizer steps to run.
+        seed: fixes weights, data order and every RNG.
+        lr: AdamW learning rate.
+        model_options: overrides of the model's config (e.g. ``{"num_layers": 8}``).
+        trace: write a Chrome trace JSON here (opens in Perfetto), or None.
+        metrics: append one JSON line per step here, or None.
+        run_dir: where ranks leave their timelines.
+        threads: torch threads per rank.
+        progress: show a progress bar on the reporting rank.
+    """
+
+    model: str = "gpt"
+    stages: int = 2
+    replicas: int = 1
+    microbatches: int = 4
+    batch_size: int = 16
+    schedule: str = "1f1b"
+    steps: int = 20
+    seed: int = 0
+    lr: float = 1e-3
+    model_options: dict[str, int] = field(default_factory=dict)
+    trace: str | None = None
+    metrics: str | None = None
+    run_dir: str = "runs/latest"
+    threads: int = 1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.model not in MODEL_NAMES:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(MODEL_NAMES)}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of "
+                             f"{', '.join(SCHEDULE_NAMES)}")
+        for name in ("stages", "replicas", "microbatches", "batch_size", "steps", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        num_layers = model_config(self.model, **self.model_options).num_layers
+        partition_layers(num_layers, self.stages)  # raises: more stages than layers
+        if self.world_size > max_local_ranks():
+            raise ValueError(f"{self.stages} stages x {self.replicas} replicas = {self.world_size} "
+                             f"ranks, more than this machine can launch ({max_local_ranks()} = 8 "
+                             f"per core on {os.cpu_count()} cores)")
+        rows = self.replicas * self.microbatches
+        if self.batch_size % rows:
+            raise ValueError(f"--batch-size {self.batch_size} does not split into {self.replicas} "
+                             f"replica(s) x {self.microbatches} microbatches; use a multiple "
+                             f"of {rows}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the run needs: stages x replicas."""
+        return self.stages * self.replicas
+
+    @property
+    def layout(self) -> Layout:
+        """The rank layout."""
+        return Layout(self.stages, self.replicas)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-data form, for logs and for records next to results."""
+        return dataclasses.asdict(self)
+
+
+@record
+def train_worker(cfg: TrainConfig) -> dict[str, Any]:
+    """Train on this rank: one stage of one replica. Called once per rank by the launcher.
+
+    Returns:
+        A small summary (rank, stage, replica, last loss on the last stage).
+    """
+    torch.set_num_threads(cfg.threads)
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    layout = cfg.layout
+    stage_index, replica = layout.stage_of(rank), layout.replica_of(rank)
+    torch.manual_seed(cfg.seed)
+
+    # The whole model is built (identically on every rank), then cut down to this rank's stage.
+    model = build_model(cfg.model, seed=cfg.seed, **cfg.model_options)
+    stage = split(model, cfg.stages, stage_index)
+    del model
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.lr)
+    job = PipelineJob(stage, optimizer, lm_loss, layout=layout, schedule=cfg.schedule,
+                      num_microbatches=cfg.microbatches)
+
+    # Every rank draws the same global batch and keeps its replica's rows, so all ranks' data
+    # cursors agree (a checkpoint needs only one).
+    mcfg = model_config(cfg.model, **cfg.model_options)
+    batches = TokenBatches(load_corpus(), window=model_seq_len(mcfg), batch_size=cfg.batch_size,
+                           seed=cfg.seed, target=model_target(mcfg))
+
+    reporter = rank == layout.rank(cfg.stages - 1, 0)
+    metrics = open(cfg.metrics, "a") if reporter and cfg.metrics else None  # noqa: SIM115
+    bar = None
+    if reporter and cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True)
+    loss = None
+    try:
+        for step in range(1, cfg.steps + 1):
+            inputs, targets = batches.next_batch()
+            inputs = inputs.chunk(cfg.replicas)[replica]
+            targets = targets.chunk(cfg.replicas)[replica]
+            start = time.perf_counter()
+            loss = job.step(inputs, targets)
+            step_time_s = time.perf_counter() - start
+            if metrics is not None:
+                metrics.write(json.dumps({"step": step, "loss": loss,
+                                          "step_time_s": step_time_s}) + "\n")
+                metrics.flush()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}")
+    finally:
+        if bar is not None:
+            bar.close()
+        if metrics is not None:
+            metrics.close()
+        job.close()
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    save_events(Path(cfg.run_dir) / f"timeline-rank{rank}.json", job.timeline.events)
+    dist.destroy_process_group()
+    return {"rank": rank, "stage": stage_index, "replica": replica, "loss": loss}
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a finished local run left behind.
+
+    Attributes:
+        config: the configuration it ran (with its ``run_dir``).
+        final_loss: loss of the last step (replica 0's last stage reports it).
+        events: every rank's timeline, concatenated.
+    """
+
+    config: TrainConfig
+    final_loss: float
+    events: list[TimelineEvent]
+
+
+def run_local(cfg: TrainConfig) -> RunResult:
+    """Launch ``cfg`` on ``cfg.world_size`` local ranks and collect their timelines.
+
+    Raises:
+        bubbleguard.elastic.launcher.LaunchError: a rank failed.
+    """
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    results = launch_local(train_worker, (cfg,), cfg.world_size, threads_per_rank=cfg.threads)
+    events = [e for r in range(cfg.world_size)
+              for e in load_events(Path(cfg.run_dir) / f"timeline-rank{r}.json")]
+    final_loss = results[cfg.layout.rank(cfg.stages - 1, 0)]["loss"]
+    return RunResult(cfg, final_loss, events)
