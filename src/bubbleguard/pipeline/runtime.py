@@ -140,6 +140,9 @@ class PipelineJob:
             raise ValueError(f"rank {self.rank} holds stage {self.layout.stage_of(self.rank)} in the "
                              f"layout but was given stage {stage.stage_index}")
         self.stage = stage
+        # Receive buffers live where the stage's parameters do (CPU with gloo, GPU with NCCL).
+        first_param = next(stage.parameters(), None)
+        self.device = first_param.device if first_param is not None else torch.device("cpu")
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.schedule = (schedule if isinstance(schedule, PipelineSchedule)
@@ -194,10 +197,11 @@ class PipelineJob:
             assert first_microbatch is not None
             x = first_microbatch
         else:
-            header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+            header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
             dist.recv(header, self._peer_rank(self.stage.stage_index - 1))
             ndim = int(header[1])
-            x = torch.zeros(tuple(int(d) for d in header[2:2 + ndim]), dtype=_DTYPES[int(header[0])])
+            x = torch.zeros(tuple(int(d) for d in header[2:2 + ndim]), dtype=_DTYPES[int(header[0])],
+                            device=self.device)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             y = self.stage(x)
         self._input_meta = (x.shape, x.dtype)
@@ -207,7 +211,8 @@ class PipelineJob:
                 raise ValueError(f"stage {self.stage.stage_index} output {tuple(y.shape)} "
                                  f"{y.dtype} cannot cross a stage boundary")
             header = torch.tensor([_DTYPES.index(y.dtype), y.dim(), *y.shape]
-                                  + [0] * (_HEADER_LEN - 2 - y.dim()), dtype=torch.int64)
+                                  + [0] * (_HEADER_LEN - 2 - y.dim()), dtype=torch.int64,
+                                  device=self.device)
             dist.send(header, self._peer_rank(self.stage.stage_index + 1))
 
     def _microbatches(self, batch: torch.Tensor | None, what: str) -> list[torch.Tensor] | None:
@@ -251,7 +256,7 @@ class PipelineJob:
         losses: dict[int, torch.Tensor] = {}
         received: dict[tuple[ActionKind, int], torch.Tensor] = {}
         pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tl = self.timeline
         for index, action in enumerate(self.actions):
             kind, mb = action.kind, action.microbatch
@@ -259,7 +264,7 @@ class PipelineJob:
                 assert mb is not None and action.peer is not None
                 shape, dtype = (self._input_meta if kind is ActionKind.RECV_ACT
                                 else self._output_meta)
-                buf = torch.empty(shape, dtype=dtype)
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
                 work = dist.irecv(buf, self._peer_rank(action.peer), tag=self._tag(action))
                 assert work is not None
                 self._wait_recv(work, action, index)
@@ -315,7 +320,7 @@ class PipelineJob:
             return loss_sum
         params = [p for p in self.stage.parameters() if p.requires_grad]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in params] + [loss_sum.to(params[0].dtype).reshape(1)])
+                          for p in params] + [loss_sum.to(params[0]).reshape(1)])
         start = time.perf_counter()
         dist.all_reduce(flat, group=self._replica_group)
         self.timeline.add(EventKind.ALLREDUCE, "allreduce grads", start, time.perf_counter())
