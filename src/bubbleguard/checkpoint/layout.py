@@ -1,0 +1,230 @@
+"""Chunk layout: a stage's tensors back to back in one flat byte region, cut into fixed chunks.
+
+The layout is plain data, built once (state shapes do not change between steps) and reused every
+step. Each tensor starts at a 64-byte aligned offset of the region (so the region can be viewed
+back as typed tensors, and checksums can read 8-byte words); chunk ``i`` covers region bytes
+``[i * chunk_bytes, min((i + 1) * chunk_bytes, total_bytes))``. A chunk may span tensors and a
+tensor may span chunks; :meth:`ChunkLayout.segments` lists the byte ranges to copy.
+
+Copying a chunk is a handful of ``Tensor.copy_`` calls on flat ``uint8`` views
+(:func:`flat_bytes`), never Python work per byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ALIGN_BYTES = 64
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor lives in the region.
+
+    Attributes:
+        name: tensor name (whole-model FQN, ``optim.<fqn>.<key>`` or ``rng.*``).
+        dtype: ``str(torch.dtype)``, e.g. ``"torch.float32"``.
+        shape: the tensor's shape.
+        num_bytes: ``numel * element_size``.
+        region_offset: first byte in the region (a multiple of 64).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    num_bytes: int
+    region_offset: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A byte range of one tensor that belongs to one chunk.
+
+    Attributes:
+        name: tensor name.
+        tensor_offset: first byte inside the tensor's flat bytes.
+        region_offset: first byte inside the region.
+        num_bytes: length of the range.
+    """
+
+    name: str
+    tensor_offset: int
+    region_offset: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """All tensors of a stage in one region, cut into ``chunk_bytes`` chunks.
+
+    Build with :meth:`build`; ``total_bytes`` is the region size (a multiple of 64).
+    """
+
+    tensors: tuple[TensorSlot, ...]
+    chunk_bytes: int
+    total_bytes: int
+    _segments: tuple[tuple[Segment, ...], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes <= 0 or self.chunk_bytes % ALIGN_BYTES:
+            raise ValueError(
+                f"chunk_bytes must be a positive multiple of {ALIGN_BYTES}, got {self.chunk_bytes}"
+            )
+        object.__setattr__(self, "_segments", _cut(self.tensors, self.chunk_bytes, self.num_chunks))
+
+    @staticmethod
+    def build(
+        tensors: Mapping[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> ChunkLayout:
+        """Lay out ``tensors`` in their iteration order.
+
+        Args:
+            tensors: name -> tensor (any device, dtype and contiguity).
+            chunk_bytes: chunk size, a positive multiple of 64.
+        """
+        slots = []
+        offset = 0
+        for name, t in tensors.items():
+            n = t.numel() * t.element_size()
+            slots.append(TensorSlot(name, str(t.dtype), tuple(t.shape), n, offset))
+            offset = _align(offset + n)
+        return ChunkLayout(tuple(slots), chunk_bytes, offset)
+
+    @property
+    def num_chunks(self) -> int:
+        """Number of chunks (0 for an empty region)."""
+        return -(-self.total_bytes // self.chunk_bytes)
+
+    def chunk_range(self, chunk_id: int) -> tuple[int, int]:
+        """Region bytes ``[start, end)`` of chunk ``chunk_id``."""
+        self._check(chunk_id)
+        start = chunk_id * self.chunk_bytes
+        return start, min(start + self.chunk_bytes, self.total_bytes)
+
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """Size in bytes of every chunk, in chunk order (what the planner takes)."""
+        return tuple(e - s for s, e in (self.chunk_range(i) for i in range(self.num_chunks)))
+
+    def segments(self, chunk_id: int) -> tuple[Segment, ...]:
+        """The tensor byte ranges that make up chunk ``chunk_id`` (precomputed)."""
+        self._check(chunk_id)
+        return self._segments[chunk_id]
+
+    def names(self) -> tuple[str, ...]:
+        """Tensor names in layout order."""
+        return tuple(s.name for s in self.tensors)
+
+    def matches(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether ``tensors`` have exactly these names, dtypes and shapes, in this order."""
+        if len(tensors) != len(self.tensors):
+            return False
+        return all(
+            s.name == name and s.dtype == str(t.dtype) and s.shape == tuple(t.shape)
+            for s, (name, t) in zip(self.tensors, tensors.items(), strict=True)
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON form (stored in snapshot records)."""
+        return {
+            "chunk_bytes": self.chunk_bytes,
+            "total_bytes": self.total_bytes,
+            "tensors": [
+                [s.name, s.dtype, list(s.shape), s.num_bytes, s.region_offset] for s in self.tensors
+            ],
+        }
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any]) -> ChunkLayout:
+        """Inverse of :meth:`to_json`; ValueError if the entries are inconsistent."""
+        slots = tuple(
+            TensorSlot(str(n), str(d), tuple(int(x) for x in shape), int(nb), int(off))
+            for n, d, shape, nb, off in obj["tensors"]
+        )
+        layout = ChunkLayout(slots, int(obj["chunk_bytes"]), int(obj["total_bytes"]))
+        for s in slots:
+            dtype = dtype_from_str(s.dtype)
+            numel = 1
+            for x in s.shape:
+                numel *= x
+            if (
+                s.num_bytes != numel * dtype.itemsize
+                or s.region_offset % ALIGN_BYTES
+                or s.region_offset + s.num_bytes > layout.total_bytes
+            ):
+                raise ValueError(f"layout entry for tensor {s.name!r} is inconsistent: {s}")
+        return layout
+
+    def _check(self, chunk_id: int) -> None:
+        if not 0 <= chunk_id < self.num_chunks:
+            raise IndexError(f"chunk id {chunk_id} out of range [0, {self.num_chunks})")
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat ``uint8`` tensor (a view when ``t`` is contiguous)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def copy_chunk(
+    layout: ChunkLayout,
+    chunk_id: int,
+    sources: Mapping[str, torch.Tensor],
+    region: torch.Tensor,
+    *,
+    non_blocking: bool = False,
+) -> int:
+    """Copy chunk ``chunk_id`` from ``sources`` (name -> :func:`flat_bytes`) into ``region``.
+
+    Returns:
+        The number of bytes copied.
+    """
+    n = 0
+    for seg in layout.segments(chunk_id):
+        src = sources[seg.name][seg.tensor_offset : seg.tensor_offset + seg.num_bytes]
+        region[seg.region_offset : seg.region_offset + seg.num_bytes].copy_(
+            src, non_blocking=non_blocking
+        )
+        n += seg.num_bytes
+    return n
+
+
+def tensors_from_region(layout: ChunkLayout, region: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Typed views of ``region`` (flat ``uint8``) for every tensor of ``layout``; no copies."""
+    if region.numel() < layout.total_bytes:
+        raise ValueError(f"region has {region.numel()} bytes, layout needs {layout.total_bytes}")
+    out = {}
+    for s in layout.tensors:
+        raw = region[s.region_offset : s.region_offset + s.num_bytes]
+        out[s.name] = raw.view(dtype_from_str(s.dtype)).reshape(s.shape)
+    return out
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    """``"torch.float32"`` -> ``torch.float32``; ValueError for anything else."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} (expected e.g. 'torch.float32')")
+    return dtype
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _cut(
+    slots: tuple[TensorSlot, ...], chunk_bytes: int, num_chunks: int
+) -> tuple[tuple[Segment, ...], ...]:
+    chunks: list[list[Segment]] = [[] for _ in range(num_chunks)]
+    for s in slots:
+        pos = s.region_offset
+        end = s.region_offset + s.num_bytes
+        while pos < end:
+            cid = pos // chunk_bytes
+            stop = min(end, (cid + 1) * chunk_bytes)
+            chunks[cid].append(Segment(s.name, pos - s.region_offset, pos, stop - pos))
+            pos = stop
+    return tuple(tuple(c) for c in chunks)

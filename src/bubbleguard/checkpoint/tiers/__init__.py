@@ -1,0 +1,1 @@
+"""Storage tiers for snapshots: shared memory (``shm``) and durable DCP storage (``durable``)."""

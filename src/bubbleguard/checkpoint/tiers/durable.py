@@ -1,0 +1,447 @@
+"""Durable tier: checkpoints in the ``torch.distributed.checkpoint`` (DCP) format.
+
+Layout under ``root`` (a local path or an fsspec URL)::
+
+    <root>/step-00000042/.metadata          DCP's global metadata (written by DCP's coordinator)
+    <root>/step-00000042/__<r>_0.distcp     DCP's data files
+    <root>/step-00000042/rank-00000.json    our per-rank JSON: metadata + rank-local tensors (RNG)
+    <root>/step-00000042/COMMITTED.json     our commit marker, written last
+
+The DCP part holds the shareable tensors, keyed by whole-model FQN (``optim.<fqn>.<key>`` for the
+optimizer state). Every pipeline stage saves disjoint FQNs, so one checkpoint holds the whole model;
+it loads into any number of stages, and plain ``torch.distributed.checkpoint.load`` and
+``format_utils.dcp_to_torch_save`` read it.
+
+Call order (every rank of ``process_group``, same steps, same order)::
+
+    tier = DurableTier(root, process_group=group, keep_last=3)
+    tier.write(state)   # collective: per-rank JSON, then dcp.save on `group`
+    tier.commit(step)   # collective: rank 0 checks .metadata and every rank's JSON, writes the
+                        # marker, applies retention, and tells every rank the outcome
+    # or tier.save(state) for both.
+
+Readers (any process, no process group): ``latest()``, ``read(step, select=...)``,
+``checkpoints()``. A step directory without a valid marker is reported as incomplete and never
+read.
+
+Decisions on bad input: a missing root is created (with parents) on the first write; a root that
+is a file raises NotADirectoryError; an unwritable root raises PermissionError and a full disk
+OSError(ENOSPC), both naming the directory and the previous checkpoint, which stays in place (the
+half-written step directory is removed). Retention never deletes the newest committed checkpoint:
+old ones go only after a newer commit.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from bubbleguard.checkpoint.errors import (
+    CheckpointError,
+    CorruptSnapshotError,
+    IncompleteCheckpointError,
+)
+from bubbleguard.checkpoint.layout import dtype_from_str
+from bubbleguard.checkpoint.manifest import (
+    CommitMarker,
+    RankPart,
+    filesystem,
+    is_local,
+    read_json,
+    read_marker,
+    write_json,
+    write_marker,
+)
+from bubbleguard.checkpoint.state import StageState
+from bubbleguard.checkpoint.tiers.base import Tier
+
+RANK_FORMAT = "bubbleguard-durable-rank/1"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass(frozen=True)
+class DurableCheckpointInfo:
+    """What discovery found in one step directory.
+
+    Attributes:
+        step: the step number from the directory name.
+        path: the directory (path or URL).
+        committed: True only with a valid marker and DCP metadata.
+        reason: why it is not committed (None when it is).
+        num_ranks: ranks that wrote it (from the marker), if committed.
+        size_bytes: bytes of all files in the directory.
+    """
+
+    step: int
+    path: str
+    committed: bool
+    reason: str | None
+    num_ranks: int | None
+    size_bytes: int
+
+
+class DurableTier(Tier):
+    """DCP checkpoints under a local path or fsspec URL; see the module docstring.
+
+    Args:
+        root: directory or fsspec URL (``s3://bucket/run1``, ``memory://x``).
+        process_group: the group whose ranks write together; default: the default group when
+            ``torch.distributed`` is initialised, else a single process. A background persist
+            must pass its own gloo group (see ``persist.py``).
+        keep_last: committed checkpoints to keep (>= 1).
+    """
+
+    kind = "durable"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        keep_last: int = 3,
+    ) -> None:
+        if keep_last < 1:
+            raise ValueError(
+                f"keep_last must be >= 1 (the newest checkpoint is always kept), got {keep_last}"
+            )
+        self.url = os.fspath(root)
+        self.fs, self.root = filesystem(self.url)
+        if self.fs.exists(self.root) and not self.fs.isdir(self.root):
+            raise NotADirectoryError(f"checkpoint root {self.url} exists and is not a directory")
+        self.group = process_group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if process_group is not None and not self.distributed:
+            raise ValueError("process_group given but torch.distributed is not initialised")
+        self.rank = dist.get_rank(process_group) if self.distributed else 0
+        self.num_ranks = dist.get_world_size(process_group) if self.distributed else 1
+        self.keep_last = keep_last
+
+    # ----------------------------------------------------------------- paths
+
+    def step_dir(self, step: int) -> str:
+        """Directory of ``step`` inside the root's filesystem."""
+        return f"{self.root.rstrip('/')}/step-{step:08d}"
+
+    def _rank_file(self, step: int, rank: int) -> str:
+        return f"{self.step_dir(step)}/rank-{rank:05d}.json"
+
+    # ----------------------------------------------------------------- writing
+
+    def save(self, state: StageState) -> None:
+        """:meth:`write` then :meth:`commit` (collective)."""
+        self.write(state)
+        self.commit(state.step)
+
+    def write(self, state: StageState) -> None:
+        """Store this rank's part of ``state.step``: per-rank JSON, then the DCP save.
+
+        Collective over the process group. Raises on every rank if any rank fails. A step that
+        is already committed is left alone (every rank sees the same marker and returns).
+        """
+        if self._is_committed(state.step):
+            return
+        step_dir = self.step_dir(state.step)
+        try:
+            self.fs.makedirs(step_dir, exist_ok=True)
+            write_json(
+                self.fs,
+                self._rank_file(state.step, self.rank),
+                {
+                    "format": RANK_FORMAT,
+                    "rank": self.rank,
+                    "num_ranks": self.num_ranks,
+                    "step": state.step,
+                    "metadata": dict(state.metadata),
+                    "local_tensors": {k: _encode(v) for k, v in state.local_tensors.items()},
+                    "tensor_names": sorted(state.tensors),
+                },
+            )
+            local_error: BaseException | None = None
+        except OSError as e:
+            local_error = e
+        # Everyone enters dcp.save or nobody does: a rank alone in it would wait forever.
+        if not self._all_ok(local_error is None):
+            self._discard(state.step)
+            raise self._storage_error(local_error, state.step) from local_error
+        tensors = {k: v.detach() for k, v in state.tensors.items()}
+        writer: FileSystemWriter | FsspecWriter = (
+            FileSystemWriter(step_dir)
+            if is_local(self.fs)
+            else FsspecWriter(self._url_of(step_dir))
+        )
+        try:
+            with _quiet_single_process():
+                dcp.save(
+                    tensors,
+                    storage_writer=writer,
+                    process_group=self.group,
+                    no_dist=not self.distributed,
+                )
+        except CheckpointException as e:
+            self._discard(state.step)
+            raise self._storage_error(e, state.step) from None
+        except OSError as e:
+            self._discard(state.step)
+            raise self._storage_error(e, state.step) from e
+
+    def commit(self, step: int) -> None:
+        """Rank 0 checks DCP's metadata and every rank's JSON, then writes the marker.
+
+        Collective. Afterwards rank 0 deletes checkpoints beyond ``keep_last`` (and half-written
+        ones older than ``step``). Raises on every rank if the commit failed.
+        """
+        error: BaseException | None = None
+        if self.rank == 0 and not self._is_committed(step):
+            try:
+                self._write_marker(step)
+            except (OSError, CheckpointError) as e:
+                error = e
+        if not self._all_ok(error is None, src=0):
+            if self.rank == 0:
+                self._discard(step)
+            raise (
+                self._storage_error(error, step)
+                if error is not None
+                else CheckpointError(
+                    f"rank 0 could not commit step {step} in {self.url}; see rank 0's log"
+                )
+            )
+        if self.rank == 0:
+            self._retain()
+
+    def _is_committed(self, step: int) -> bool:
+        try:
+            return read_marker(self.fs, self.step_dir(step)).step == step
+        except (FileNotFoundError, CorruptSnapshotError):
+            return False
+
+    def _write_marker(self, step: int) -> None:
+        step_dir = self.step_dir(step)
+        if not self.fs.exists(f"{step_dir}/.metadata"):
+            raise IncompleteCheckpointError(f"{step_dir}: DCP metadata .metadata is missing")
+        parts = []
+        for r in range(self.num_ranks):
+            path = self._rank_file(step, r)
+            if not self.fs.exists(path):
+                raise IncompleteCheckpointError(f"{step_dir}: rank {r}'s {path} is missing")
+            parts.append(RankPart(r, 0, f"{self.fs.size(path)}"))
+        write_marker(self.fs, step_dir, CommitMarker("durable", step, self.num_ranks, tuple(parts)))
+
+    def _retain(self) -> None:
+        infos = self.checkpoints()
+        committed = [i.step for i in infos if i.committed]
+        if not committed:
+            return
+        newest = committed[-1]
+        doomed = set(committed[: -self.keep_last])
+        doomed |= {i.step for i in infos if not i.committed and i.step < newest}
+        for step in sorted(doomed):
+            self._discard(step)
+
+    def _discard(self, step: int) -> None:
+        try:
+            if self.fs.exists(self.step_dir(step)):
+                self.fs.rm(self.step_dir(step), recursive=True)
+        except OSError:
+            pass  # best effort: an incomplete directory is ignored by readers anyway
+
+    def _all_ok(self, ok: bool, src: int | None = None) -> bool:
+        """True iff ``ok`` on every rank (``src`` given: rank ``src``'s verdict)."""
+        if not self.distributed:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        if src is None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        else:
+            dist.broadcast(flag, group_src=src, group=self.group)
+        return bool(flag.item())
+
+    def _storage_error(self, e: BaseException | None, step: int) -> BaseException:
+        previous = self.latest()
+        kept = (
+            f"the previous checkpoint (step {previous}) is kept"
+            if previous is not None
+            else "no earlier checkpoint exists"
+        )
+        where = f"writing checkpoint step {step} to {self.url}"
+        cause = _first_os_error(e)
+        if cause is None:
+            if e is None:
+                return CheckpointError(f"{where} failed on another rank; {kept}")
+            if isinstance(e, CheckpointError):
+                return e
+            return CheckpointError(f"{where} failed: {e}; {kept}")
+        if cause.errno == errno.ENOSPC:
+            return OSError(
+                errno.ENOSPC,
+                f"no space left on device {where}; {kept}. Free space or lower keep_last",
+            )
+        if cause.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return PermissionError(
+                cause.errno, f"{self.url} is not writable ({cause.strerror}) while {where}; {kept}"
+            )
+        return OSError(cause.errno, f"{where} failed: {cause}; {kept}")
+
+    # ----------------------------------------------------------------- reading
+
+    def checkpoints(self) -> list[DurableCheckpointInfo]:
+        """Every step directory under the root, oldest first, with its validity."""
+        if not self.fs.exists(self.root):
+            return []
+        out = []
+        for entry in self.fs.ls(self.root, detail=True):
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            m = _STEP_DIR.match(name)
+            if not m or entry["type"] != "directory":
+                continue
+            step = int(m.group(1))
+            path = self.step_dir(step)
+            size = sum(int(f["size"]) for f in self.fs.ls(path, detail=True) if f["type"] == "file")
+            try:
+                marker = read_marker(self.fs, path)
+                if marker.step != step:
+                    raise CorruptSnapshotError(f"{path}: marker names step {marker.step}")
+                if not self.fs.exists(f"{path}/.metadata"):
+                    raise CorruptSnapshotError(f"{path}: marker present but DCP .metadata missing")
+                out.append(
+                    DurableCheckpointInfo(
+                        step, self._url_of(path), True, None, marker.num_ranks, size
+                    )
+                )
+            except (IncompleteCheckpointError, CorruptSnapshotError) as e:
+                out.append(
+                    DurableCheckpointInfo(step, self._url_of(path), False, str(e), None, size)
+                )
+        return sorted(out, key=lambda i: i.step)
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None."""
+        committed = [i.step for i in self.checkpoints() if i.committed]
+        return committed[-1] if committed else None
+
+    def tensor_names(self, step: int) -> list[str]:
+        """Names of the tensors stored for ``step`` (all ranks together)."""
+        return sorted(self._dcp_metadata(step).state_dict_metadata)
+
+    def read(
+        self,
+        step: int | None = None,
+        *,
+        select: Callable[[str], bool] | None = None,
+        rank: int | None = None,
+    ) -> StageState:
+        """Load ``step`` (default: latest committed) for one stage, without a process group.
+
+        Args:
+            step: the step; it must be committed.
+            select: which tensors to load (e.g. ``state.stage_selector(stage)``); default all.
+            rank: whose rank-local state (RNG, data cursor, scheduler) to take; default this
+                tier's rank. A rank the checkpoint does not have (fewer ranks saved it) gets
+                rank 0's. Optimizer hyperparameters are merged from all ranks by FQN.
+
+        Raises:
+            FileNotFoundError: no committed checkpoint (IncompleteCheckpointError: that step is
+                half-written).
+        """
+        if step is None:
+            step = self.latest()
+            if step is None:
+                partial = [i.step for i in self.checkpoints()]
+                raise FileNotFoundError(
+                    f"no committed checkpoint under {self.url}"
+                    + (f" (incomplete step directories: {partial})" if partial else "")
+                )
+        path = self.step_dir(step)
+        marker = read_marker(self.fs, path)
+        meta = self._dcp_metadata(step)
+        tensors: dict[str, torch.Tensor] = {}
+        for name, item in meta.state_dict_metadata.items():
+            if isinstance(item, TensorStorageMetadata) and (select is None or select(name)):
+                tensors[name] = torch.empty(item.size, dtype=item.properties.dtype)
+        if tensors:
+            with _quiet_single_process():
+                dcp.load(tensors, storage_reader=self._reader(path), no_dist=True)
+        ranks = [read_json(self.fs, self._rank_file(step, r)) for r in range(marker.num_ranks)]
+        own = ranks[
+            rank
+            if rank is not None and rank < len(ranks)
+            else (self.rank if self.rank < len(ranks) else 0)
+        ]
+        metadata = dict(own["metadata"])
+        optims = [r["metadata"].get("optimizer") for r in ranks if r["metadata"].get("optimizer")]
+        if optims:
+            metadata["optimizer"] = {
+                "param_groups": [g for o in optims for g in o["param_groups"]],
+                "non_tensor_state": {
+                    k: v for o in optims for k, v in o.get("non_tensor_state", {}).items()
+                },
+            }
+        local = {k: _decode(v) for k, v in own["local_tensors"].items()}
+        return StageState(step=step, tensors=tensors, local_tensors=local, metadata=metadata)
+
+    def _dcp_metadata(self, step: int) -> Any:
+        try:
+            return self._reader(self.step_dir(step)).read_metadata()
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(f"{self.step_dir(step)} has no DCP .metadata") from None
+
+    def _reader(self, path: str) -> FileSystemReader | FsspecReader:
+        return FileSystemReader(path) if is_local(self.fs) else FsspecReader(self._url_of(path))
+
+    def _url_of(self, path: str) -> str:
+        if is_local(self.fs):
+            return path
+        return self.fs.unstrip_protocol(path)
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # DCP warns that it "assumes" a single process; here that is the documented intent.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _first_os_error(e: BaseException | None) -> OSError | None:
+    """The first OSError inside ``e`` (DCP wraps per-rank failures)."""
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno is not None:
+            return x
+        if isinstance(x, CheckpointException):
+            stack.extend(exc for exc, _ in x.failures.values())
+        stack.extend([x.__cause__, x.__context__])
+    return None
+
+
+def _encode(t: torch.Tensor) -> list[Any]:
+    t = t.detach().to("cpu").contiguous()
+    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return [str(t.dtype), list(t.shape), base64.b64encode(raw).decode("ascii")]
+
+
+def _decode(obj: list[Any]) -> torch.Tensor:
+    dtype, shape, data = obj
+    raw = bytearray(base64.b64decode(data))
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype_from_str(dtype)).reshape(shape).clone()

@@ -1,0 +1,682 @@
+"""Memory tier: per-rank snapshot buffers in node-local shared memory.
+
+Files (directories 0700, files 0600 -- readable only by the job's user)::
+
+    /dev/shm/bubbleguard-<uid>/<job_id>/COMMITTED.json       job-wide marker (see commit)
+    /dev/shm/bubbleguard-<uid>/<job_id>/rank<r>/slot<i>.bin  snapshot bytes (one ChunkLayout region)
+    /dev/shm/bubbleguard-<uid>/<job_id>/rank<r>/slot<i>.json "snapshot of step k complete" record
+
+Each slot file is allocated once (create + ftruncate + mmap) and reused every step. With two slots
+the newest complete snapshot stays valid while the next one is written: ``begin`` picks the slot
+that does *not* hold it and deletes that slot's record first; ``finish`` writes the record
+(checksum per chunk, layout, metadata) atomically after every chunk is in. The bytes live in
+tmpfs pages, so a snapshot survives the crash of the process that wrote it.
+
+Call order on each rank (runtime)::
+
+    tier = MemoryTier(job_id, rank, num_ranks=P)           # once; maps nothing yet
+    # after optimizer.step() k:
+    tier.begin(capture_state(stage, opt, sched, step=k))   # cheap, no copy
+    tier.copy_chunk(i) ...                                 # from inside the bubbles of k+1
+    tier.finish()                                          # before optimizer.step() k+1: copies
+                                                           # what the bubbles did not, writes record
+    # one process per node, once it knows every rank finished k (piggybacked on the step):
+    tier.commit(k)
+
+The next ``optimizer.step()`` must not start before ``finish()`` returns (parameters would change
+under the copy). With two slots, ``begin(k + 2)`` overwrites step k, so a rank must not begin k+2
+before step k+1 is complete on every rank, or a crash in between leaves no common step; pass
+``num_slots=3`` to be safe without that rule (pipeline ranks are never more than one snapshot
+apart).
+
+Resume: ``agree_newest_step(tier.valid_steps())`` (all ranks), then ``tier.read(step)``; or, in a
+single process, ``tier.read_latest()``, which falls back to the older slot when the newest fails
+its checksums.
+
+On a GPU, chunks whose tensors are on CUDA are copied on a side stream straight into the shared
+memory, registered as pinned host memory (``cudaHostRegister``); checksums are computed once the
+copies' events complete (at the latest in ``finish``).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import shutil
+import threading
+import warnings
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bubbleguard.checkpoint.atomic import atomic_write_json, fsync_dir
+from bubbleguard.checkpoint.checksum import check_algorithm, checksum
+from bubbleguard.checkpoint.errors import CorruptSnapshotError, IncompleteCheckpointError
+from bubbleguard.checkpoint.layout import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkLayout,
+    copy_chunk,
+    flat_bytes,
+    tensors_from_region,
+)
+from bubbleguard.checkpoint.manifest import (
+    MARKER_NAME,
+    CommitMarker,
+    RankPart,
+    filesystem,
+    read_marker,
+    write_marker,
+)
+from bubbleguard.checkpoint.state import StageState
+from bubbleguard.checkpoint.tiers.base import Tier
+
+DEFAULT_SHM_ROOT = Path("/dev/shm")
+RECORD_FORMAT = "bubbleguard-shm-record/1"
+_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def shm_job_dir(job_id: str, root: str | os.PathLike[str] | None = None) -> Path:
+    """``<root>/bubbleguard-<uid>/<job_id>`` (root defaults to ``/dev/shm``)."""
+    if not _JOB_ID.match(job_id):
+        raise ValueError(
+            f"job_id {job_id!r} must be 1-128 characters of letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return (
+        Path(root if root is not None else DEFAULT_SHM_ROOT) / f"bubbleguard-{os.getuid()}" / job_id
+    )
+
+
+def remove_job(job_id: str, root: str | os.PathLike[str] | None = None) -> None:
+    """Delete every rank's snapshots of ``job_id`` (call once the job is over)."""
+    shutil.rmtree(shm_job_dir(job_id, root), ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """The "snapshot of step k complete" record of one rank's slot.
+
+    Attributes:
+        step: the snapshot's step.
+        rank: the rank that wrote it.
+        slot: the slot index.
+        checksum: algorithm (``"sum64"`` or ``"crc32"``).
+        checksums: one per chunk of ``layout``.
+        layout: where each tensor lies in the slot file.
+        local_names: names in ``layout`` that are rank-local (RNG) rather than shareable.
+        metadata: the state's JSON metadata.
+    """
+
+    step: int
+    rank: int
+    slot: int
+    checksum: str
+    checksums: tuple[int, ...]
+    layout: ChunkLayout
+    local_names: tuple[str, ...]
+    metadata: dict[str, Any] = field(compare=False)
+
+    @property
+    def digest(self) -> str:
+        """A short fingerprint of the chunk checksums."""
+        return f"{zlib.crc32(json.dumps(list(self.checksums)).encode()):08x}"
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON form."""
+        return {
+            "format": RECORD_FORMAT,
+            "step": self.step,
+            "rank": self.rank,
+            "slot": self.slot,
+            "checksum": self.checksum,
+            "checksums": list(self.checksums),
+            "layout": self.layout.to_json(),
+            "local_names": list(self.local_names),
+            "metadata": self.metadata,
+        }
+
+    @staticmethod
+    def from_json(obj: dict[str, Any]) -> SnapshotRecord:
+        """Parse :meth:`to_json` output; ValueError/KeyError/TypeError if malformed."""
+        if obj.get("format") != RECORD_FORMAT:
+            raise ValueError(f"unknown record format {obj.get('format')!r}")
+        layout = ChunkLayout.from_json(obj["layout"])
+        sums = tuple(int(c) for c in obj["checksums"])
+        if len(sums) != layout.num_chunks:
+            raise ValueError(f"{len(sums)} checksums for {layout.num_chunks} chunks")
+        return SnapshotRecord(
+            step=int(obj["step"]),
+            rank=int(obj["rank"]),
+            slot=int(obj["slot"]),
+            checksum=check_algorithm(str(obj["checksum"])),
+            checksums=sums,
+            layout=layout,
+            local_names=tuple(str(n) for n in obj["local_names"]),
+            metadata=dict(obj["metadata"]),
+        )
+
+
+class _Slot:
+    """One mapped slot file (internal)."""
+
+    def __init__(self, path: Path, num_bytes: int) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            if os.fstat(fd).st_size != num_bytes:
+                os.ftruncate(fd, num_bytes)
+            # mmap of length 0 is not allowed; an empty state still gets a page.
+            self.mm = mmap.mmap(fd, max(num_bytes, 1))
+        finally:
+            os.close(fd)
+        self.num_bytes = num_bytes
+        self.region = (
+            torch.frombuffer(self.mm, dtype=torch.uint8)
+            if num_bytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        self.cuda_registered = False
+
+    def register_cuda(self) -> bool:
+        """Pin the mapping for asynchronous device-to-host copies (once)."""
+        if not self.cuda_registered and self.num_bytes:
+            rc = torch.cuda.cudart().cudaHostRegister(self.region.data_ptr(), self.num_bytes, 0)
+            self.cuda_registered = int(rc) == 0
+            if not self.cuda_registered:
+                warnings.warn(
+                    f"cudaHostRegister of {self.path} failed ({rc}); copies will block",
+                    stacklevel=3,
+                )
+        return self.cuda_registered
+
+    def close(self) -> None:
+        if self.cuda_registered:
+            torch.cuda.cudart().cudaHostUnregister(self.region.data_ptr())
+            self.cuda_registered = False
+        del self.region
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a view of the region is still alive somewhere; the mapping goes with it
+
+
+@dataclass
+class _Active:
+    """The snapshot being written (internal)."""
+
+    step: int
+    slot: int
+    layout: ChunkLayout
+    local_names: tuple[str, ...]
+    metadata: dict[str, Any]
+    sources: dict[str, torch.Tensor]
+    region: torch.Tensor
+    done: list[bool]
+    checksums: list[int | None]
+    cuda: bool
+    events: list[tuple[int, Any]] = field(default_factory=list)
+
+
+class MemoryTier(Tier):
+    """Two (or more) snapshot slots per rank in ``/dev/shm``; see the module docstring.
+
+    Args:
+        job_id: names the job's directory (letters, digits, ``._-``).
+        rank: this process's rank.
+        num_ranks: ranks of the job (used by :meth:`commit`).
+        root: parent of ``bubbleguard-<uid>`` (default ``/dev/shm``; tests pass a temp dir).
+        num_slots: slots per rank, >= 2.
+        checksum: ``"sum64"`` (default, fast) or ``"crc32"``; see ``checksum.py``.
+        chunk_bytes: chunk size of the layout (a multiple of 64).
+        create: create the directories (writers); False for readers, which then get
+            FileNotFoundError if the rank has no directory.
+    """
+
+    kind = "memory"
+
+    def __init__(
+        self,
+        job_id: str,
+        rank: int = 0,
+        *,
+        num_ranks: int = 1,
+        root: str | os.PathLike[str] | None = None,
+        num_slots: int = 2,
+        checksum: str = "sum64",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        create: bool = True,
+    ) -> None:
+        if not 0 <= rank < num_ranks:
+            raise ValueError(f"rank must be in [0, num_ranks={num_ranks}), got {rank}")
+        if num_slots < 2:
+            raise ValueError(f"num_slots must be >= 2 (one to keep, one to write), got {num_slots}")
+        self.job_dir = shm_job_dir(job_id, root)
+        self.rank_dir = self.job_dir / f"rank{rank}"
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.num_slots = num_slots
+        self.checksum = check_algorithm(checksum)
+        self.chunk_bytes = chunk_bytes
+        if create:
+            if not self.job_dir.parent.parent.is_dir():
+                raise FileNotFoundError(
+                    f"shared-memory root {self.job_dir.parent.parent} does not exist; "
+                    "pass root= a tmpfs directory (default /dev/shm)"
+                )
+            for d in (self.job_dir.parent, self.job_dir, self.rank_dir):
+                _private_dir(d)
+        elif not self.rank_dir.is_dir():
+            raise FileNotFoundError(
+                f"no memory-tier snapshots for rank {rank}: {self.rank_dir} does not exist"
+            )
+        self._slots: list[_Slot | None] = [None] * num_slots
+        self._records: list[SnapshotRecord | None] = [
+            self._load_record(i) for i in range(num_slots)
+        ]
+        self._pins = [0] * num_slots
+        self._cond = threading.Condition(threading.RLock())
+        self._writing_slot: int | None = None
+        self._layout: ChunkLayout | None = None
+        self._active: _Active | None = None
+        self._stream: Any = None
+
+    # ----------------------------------------------------------------- writing
+
+    def begin(self, state: StageState) -> ChunkLayout:
+        """Start the snapshot of ``state.step`` in the slot not holding the newest one.
+
+        Cheap: no bytes are copied. Waits if that slot is being read (a pinned persist). A
+        previous ``begin`` without ``finish`` is abandoned (its slot has no record).
+
+        Returns:
+            The layout (reused while shapes stay the same); the runtime plans its chunks.
+        """
+        tensors = state.all_tensors()
+        if self._layout is None or not self._layout.matches(tensors):
+            self._layout = ChunkLayout.build(tensors, self.chunk_bytes)
+        layout = self._layout
+        with self._cond:
+            slot = self._pick_slot()
+            self._records[slot] = None
+            self._writing_slot = slot
+        record_path = self._record_path(slot)
+        if record_path.exists():
+            record_path.unlink()
+            fsync_dir(self.rank_dir)
+        mapped = self._map(slot, layout.total_bytes)
+        use_cuda = any(t.is_cuda for t in tensors.values())
+        if use_cuda:
+            mapped.register_cuda()
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            # Copies read what optimizer.step() just wrote: order them after it.
+            self._stream.wait_stream(torch.cuda.current_stream())
+        self._active = _Active(
+            step=state.step,
+            slot=slot,
+            layout=layout,
+            local_names=tuple(state.local_tensors),
+            metadata=json.loads(json.dumps(dict(state.metadata))),
+            sources={name: flat_bytes(t) for name, t in tensors.items()},
+            region=mapped.region,
+            done=[False] * layout.num_chunks,
+            checksums=[None] * layout.num_chunks,
+            cuda=use_cuda,
+        )
+        return layout
+
+    def copy_chunk(self, chunk_id: int) -> int:
+        """Copy one chunk of the active snapshot into shared memory (from inside a bubble).
+
+        Returns:
+            Bytes copied (0 if the chunk was already copied).
+        """
+        a = self._active
+        if a is None:
+            raise RuntimeError("copy_chunk() called without begin(): no snapshot is being written")
+        if a.done[chunk_id]:
+            return 0
+        start, end = a.layout.chunk_range(chunk_id)
+        if a.cuda:
+            with torch.cuda.stream(self._stream):
+                n = copy_chunk(a.layout, chunk_id, a.sources, a.region, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            a.events.append((chunk_id, event))
+            self._checksum_completed(a, wait=False)
+        else:
+            n = copy_chunk(a.layout, chunk_id, a.sources, a.region)
+            a.checksums[chunk_id] = checksum(a.region[start:end], self.checksum)
+        a.done[chunk_id] = True
+        return n
+
+    def pending_chunks(self) -> list[int]:
+        """Chunk ids of the active snapshot not copied yet (empty without one)."""
+        a = self._active
+        return [] if a is None else [i for i, d in enumerate(a.done) if not d]
+
+    @property
+    def active_step(self) -> int | None:
+        """Step of the snapshot between ``begin`` and ``finish``, else None."""
+        return None if self._active is None else self._active.step
+
+    def finish(self) -> SnapshotRecord:
+        """Copy the chunks the bubbles did not, then write the slot's record atomically.
+
+        Blocking; call it before the next ``optimizer.step()``.
+        """
+        a = self._active
+        if a is None:
+            raise RuntimeError("finish() called without begin(): no snapshot is being written")
+        for chunk_id in self.pending_chunks():
+            self.copy_chunk(chunk_id)
+        if a.cuda:
+            self._checksum_completed(a, wait=True)
+        record = SnapshotRecord(
+            step=a.step,
+            rank=self.rank,
+            slot=a.slot,
+            checksum=self.checksum,
+            checksums=tuple(c for c in a.checksums if c is not None),
+            layout=a.layout,
+            local_names=a.local_names,
+            metadata=a.metadata,
+        )
+        assert len(record.checksums) == a.layout.num_chunks
+        atomic_write_json(self._record_path(a.slot), record.to_json())
+        with self._cond:
+            self._records[a.slot] = record
+            self._active = None
+            self._writing_slot = None
+        return record
+
+    def write(self, state: StageState) -> None:
+        """``begin`` + every chunk + ``finish`` at once (blocking)."""
+        self.begin(state)
+        self.finish()
+
+    def commit(self, step: int) -> None:
+        """Write the job-wide marker for ``step`` once every rank's record of it is in.
+
+        Call from one process per node that knows every rank finished ``step`` (all ranks'
+        directories must be on this node). Raises IncompleteCheckpointError naming the ranks
+        without a complete record of ``step``.
+        """
+        parts = []
+        lacking = []
+        for r in range(self.num_ranks):
+            record = next(
+                (x for x in _rank_records(self.job_dir / f"rank{r}") if x.step == step), None
+            )
+            if record is None:
+                lacking.append(r)
+            else:
+                parts.append(RankPart(r, record.layout.total_bytes, record.digest))
+        if lacking:
+            raise IncompleteCheckpointError(
+                f"cannot commit step {step} of {self.job_dir}: ranks {lacking} have no complete snapshot of it"
+            )
+        fs, path = filesystem(str(self.job_dir))
+        write_marker(fs, path, CommitMarker("memory", step, self.num_ranks, tuple(parts)))
+
+    # ----------------------------------------------------------------- reading
+
+    def latest(self) -> int | None:
+        """Step named by the job-wide marker, if this rank still holds it; else None."""
+        fs, path = filesystem(str(self.job_dir))
+        try:
+            step = read_marker(fs, path).step
+        except (FileNotFoundError, CorruptSnapshotError):
+            return None
+        return step if step in self.steps() else None
+
+    def steps(self) -> list[int]:
+        """Steps this rank holds complete records of, newest first (data not verified)."""
+        with self._cond:
+            self._refresh_records()
+            return sorted((r.step for r in self._records if r is not None), reverse=True)
+
+    def valid_steps(self) -> list[int]:
+        """Steps whose data also passes its checksums, newest first (reads every slot)."""
+        good = []
+        for step in self.steps():
+            try:
+                self.read(step)
+            except CorruptSnapshotError:
+                continue
+            good.append(step)
+        return good
+
+    def records(self) -> list[SnapshotRecord]:
+        """This rank's complete records, newest first."""
+        with self._cond:
+            self._refresh_records()
+            return sorted((r for r in self._records if r is not None), key=lambda r: -r.step)
+
+    def read(self, step: int | None = None) -> StageState:
+        """This rank's snapshot of ``step`` (default: :meth:`read_latest`), checksums verified.
+
+        The returned tensors share one freshly read buffer, not the shared memory.
+
+        Raises:
+            FileNotFoundError: no complete snapshot of ``step`` on this rank.
+            CorruptSnapshotError: a chunk fails its checksum (names the chunk and the file).
+        """
+        if step is None:
+            return self.read_latest()
+        with self.hold(step) as record:
+            return read_snapshot(self.rank_dir, record)
+
+    def read_latest(self) -> StageState:
+        """The newest snapshot of this rank that passes its checksums.
+
+        A newest snapshot that fails is skipped with a warning naming the chunk and the file,
+        and the older slot's snapshot is returned instead.
+        """
+        records = self.records()
+        if not records:
+            raise FileNotFoundError(f"no complete memory-tier snapshot in {self.rank_dir}")
+        first_error: CorruptSnapshotError | None = None
+        for record in records:
+            try:
+                return self.read(record.step)
+            except CorruptSnapshotError as e:
+                warnings.warn(f"{e}; trying an older snapshot", stacklevel=2)
+                first_error = first_error or e
+        assert first_error is not None
+        raise first_error
+
+    @contextmanager
+    def hold(self, step: int) -> Iterator[SnapshotRecord]:
+        """Keep ``begin`` away from the slot of ``step`` while the block runs.
+
+        Used by a background persist: pin at submit time, read later from another thread.
+        """
+        with self._cond:
+            self._refresh_records()
+            slot = next(
+                (i for i, r in enumerate(self._records) if r is not None and r.step == step), None
+            )
+            if slot is None:
+                raise FileNotFoundError(
+                    f"rank {self.rank} holds no complete snapshot of step {step} in {self.rank_dir} "
+                    f"(it holds {self.steps()})"
+                )
+            self._pins[slot] += 1
+            record = self._records[slot]
+            assert record is not None
+        try:
+            yield record
+        finally:
+            with self._cond:
+                self._pins[slot] -= 1
+                self._cond.notify_all()
+
+    # ----------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        """Unmap the slots (the files stay)."""
+        self._active = None
+        self._writing_slot = None
+        for i, s in enumerate(self._slots):
+            if s is not None:
+                s.close()
+                self._slots[i] = None
+
+    def cleanup(self) -> None:
+        """Close and delete this rank's snapshots; the job directory goes when it is empty."""
+        self.close()
+        shutil.rmtree(self.rank_dir, ignore_errors=True)
+        marker = self.job_dir / MARKER_NAME
+        if self.job_dir.is_dir() and not any(
+            p.name.startswith("rank") for p in self.job_dir.iterdir()
+        ):
+            marker.unlink(missing_ok=True)
+            try:
+                self.job_dir.rmdir()
+            except OSError:
+                pass
+
+    # ----------------------------------------------------------------- internals
+
+    def _pick_slot(self) -> int:
+        """Slot with the oldest (or no) record, never the newest one; waits out pins."""
+        while True:
+            order = sorted(
+                range(self.num_slots),
+                key=lambda i: -1 if self._records[i] is None else self._records[i].step,  # type: ignore[union-attr]
+            )
+            newest = order[-1] if self._records[order[-1]] is not None else None
+            for i in order:
+                if i != newest and self._pins[i] == 0:
+                    return i
+            self._cond.wait()
+
+    def _map(self, slot: int, num_bytes: int) -> _Slot:
+        current = self._slots[slot]
+        if current is not None and current.num_bytes == num_bytes:
+            return current
+        if current is not None:
+            current.close()
+        self._slots[slot] = _Slot(self._data_path(slot), num_bytes)
+        return self._slots[slot]  # type: ignore[return-value]
+
+    def _checksum_completed(self, a: _Active, *, wait: bool) -> None:
+        remaining = []
+        for chunk_id, event in a.events:
+            if wait:
+                event.synchronize()
+            elif not event.query():
+                remaining.append((chunk_id, event))
+                continue
+            start, end = a.layout.chunk_range(chunk_id)
+            a.checksums[chunk_id] = checksum(a.region[start:end], self.checksum)
+        a.events = remaining
+
+    def _refresh_records(self) -> None:
+        # Another process (the writer) may have moved on; the files are the truth.
+        with self._cond:
+            for i in range(self.num_slots):
+                if i != self._writing_slot:
+                    self._records[i] = self._load_record(i)
+
+    def _load_record(self, slot: int) -> SnapshotRecord | None:
+        return _load_record_file(self._record_path(slot))
+
+    def _data_path(self, slot: int) -> Path:
+        return self.rank_dir / f"slot{slot}.bin"
+
+    def _record_path(self, slot: int) -> Path:
+        return self.rank_dir / f"slot{slot}.json"
+
+
+def read_snapshot(rank_dir: Path, record: SnapshotRecord) -> StageState:
+    """Read and verify the snapshot ``record`` describes from ``rank_dir``.
+
+    The returned tensors share one freshly read buffer, not the shared memory.
+
+    Raises:
+        CorruptSnapshotError: data missing, short, or a chunk failing its checksum (names both).
+    """
+    path = rank_dir / f"slot{record.slot}.bin"
+    layout = record.layout
+    buf = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    try:
+        with open(path, "rb") as f:
+            n = f.readinto(buf.numpy().data) if layout.total_bytes else 0
+    except FileNotFoundError:
+        raise CorruptSnapshotError(
+            f"snapshot of step {record.step}: data file {path} is missing"
+        ) from None
+    if n != layout.total_bytes:
+        raise CorruptSnapshotError(
+            f"snapshot of step {record.step}: {path} holds {n} bytes, its record expects {layout.total_bytes}"
+        )
+    for chunk_id, expected in enumerate(record.checksums):
+        start, end = layout.chunk_range(chunk_id)
+        if checksum(buf[start:end], record.checksum) != expected:
+            raise CorruptSnapshotError(
+                f"snapshot of step {record.step}: chunk {chunk_id} (bytes {start}-{end}) of "
+                f"{path} fails its {record.checksum} checksum"
+            )
+    tensors = tensors_from_region(layout, buf)
+    local = set(record.local_names)
+    return StageState(
+        step=record.step,
+        tensors={k: v for k, v in tensors.items() if k not in local},
+        local_tensors={k: v for k, v in tensors.items() if k in local},
+        metadata=record.metadata,
+    )
+
+
+def verify_rank_dir(rank_dir: Path) -> list[tuple[SnapshotRecord, str | None]]:
+    """Every complete record of a rank directory, newest first, with why its data is bad (or None)."""
+    out: list[tuple[SnapshotRecord, str | None]] = []
+    for record in sorted(_rank_records(rank_dir), key=lambda r: -r.step):
+        try:
+            read_snapshot(rank_dir, record)
+            out.append((record, None))
+        except CorruptSnapshotError as e:
+            out.append((record, str(e)))
+    return out
+
+
+def _load_record_file(path: Path) -> SnapshotRecord | None:
+    try:
+        return SnapshotRecord.from_json(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"ignoring unreadable snapshot record {path}: {e}", stacklevel=2)
+        return None
+
+
+def _rank_records(rank_dir: Path) -> list[SnapshotRecord]:
+    if not rank_dir.is_dir():
+        return []
+    records = (_load_record_file(p) for p in sorted(rank_dir.glob("slot*.json")))
+    return [r for r in records if r is not None]
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` with mode 0700, or check that an existing one is ours and private."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise PermissionError(
+            f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()}); "
+            "pick another job_id or root"
+        )
+    if st.st_mode & 0o777 != 0o700:
+        os.chmod(path, 0o700)

@@ -1,0 +1,34 @@
+"""Tests for checkpoint/copier.py: chunks copied as idle work, the rest at finish."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bubbleguard.checkpoint.copier import SnapshotCopier
+from bubbleguard.checkpoint.tiers.shm import MemoryTier
+from tests.checkpoint.ckpt_testlib import assert_same_state, trained_state
+
+
+def test_run_one_copies_chunks_in_order_and_finish_does_the_rest(tmp_path: Path) -> None:
+    *_, state = trained_state(2)
+    tier = MemoryTier("c", 0, root=tmp_path, chunk_bytes=1024)
+    copier = SnapshotCopier(tier)
+    layout = copier.start(state)
+    assert copier.run_one() and copier.run_one()
+    assert tier.pending_chunks() == list(range(2, layout.num_chunks))
+    report = copier.finish()
+    assert (report.num_chunks_in_bubbles, report.num_chunks_blocking) == (2, layout.num_chunks - 2)
+    assert report.record.step == 2 and report.blocking_s > 0
+    assert copier.bandwidth_bytes_per_s is not None and copier.bandwidth_bytes_per_s > 0
+    assert not copier.run_one()  # nothing until the next start
+    assert_same_state(tier.read(2), state)
+
+
+def test_everything_in_bubbles_leaves_nothing_blocking(tmp_path: Path) -> None:
+    *_, state = trained_state(1)
+    copier = SnapshotCopier(MemoryTier("c", 0, root=tmp_path, chunk_bytes=1024))
+    layout = copier.start(state)
+    while copier.run_one():
+        pass
+    report = copier.finish()
+    assert report.num_chunks_in_bubbles == layout.num_chunks and report.num_chunks_blocking == 0

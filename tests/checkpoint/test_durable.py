@@ -1,0 +1,191 @@
+"""Tests for checkpoint/tiers/durable.py: DCP format, commit, retention, reshard, bad input."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from bubbleguard.checkpoint.errors import IncompleteCheckpointError, StateMismatchError
+from bubbleguard.checkpoint.manifest import MARKER_NAME
+from bubbleguard.checkpoint.state import capture_state, restore_state, stage_selector
+from bubbleguard.checkpoint.tiers.durable import DurableTier
+from tests.checkpoint.ckpt_testlib import (
+    STAGES_OF_2,
+    assert_same_state,
+    assert_same_tensors,
+    make_training,
+    run_ranks,
+    save_two_stages,
+    seed_all,
+    train_step,
+    trained_state,
+)
+
+
+def test_round_trip_and_bit_identical_continuation(tmp_path: Path) -> None:
+    model, opt, sched, state = trained_state(3)
+    tier = DurableTier(tmp_path / "ckpt")  # missing root: created on the first write
+    tier.save(state)
+    assert tier.latest() == 3
+    assert (tmp_path / "ckpt" / "step-00000003" / MARKER_NAME).is_file()
+    back = tier.read()
+    assert_same_state(back, state.clone())
+    expected = [train_step(model, opt, sched, s) for s in (4, 5)]
+    seed_all(99)
+    model2, opt2, sched2 = make_training(seed=3)
+    assert restore_state(back, model2, opt2, sched2).step == 3
+    assert [train_step(model2, opt2, sched2, s) for s in (4, 5)] == expected
+
+
+def test_plain_dcp_load_and_dcp_to_torch_save_read_it(tmp_path: Path) -> None:
+    model, opt, _, state = trained_state(2)
+    DurableTier(tmp_path).save(state)
+    step_dir = tmp_path / "step-00000002"
+    sd = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+    dcp.load(sd, checkpoint_id=str(step_dir))
+    assert_same_tensors(sd, dict(model.state_dict()))
+    dcp_to_torch_save(step_dir, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    assert_same_tensors(whole, {k: v.clone() for k, v in state.tensors.items()})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_two_ranks_save_disjoint_stages_one_and_three_stages_load(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    run_ranks(save_two_stages, 2, str(tmp_path), str(root))
+    tier = DurableTier(root)
+    assert [(i.step, i.committed, i.num_ranks) for i in tier.checkpoints()] == [(2, True, 2)]
+    expected = {}
+    for rank, blocks in STAGES_OF_2.items():
+        *_, s = trained_state(2, blocks=blocks, seed=rank)
+        expected.update({k: v.clone() for k, v in s.tensors.items()})
+
+    whole = tier.read(2)  # one process, the whole model
+    assert_same_tensors(dict(whole.tensors), expected)
+    model, opt, sched = make_training()
+    restore_state(whole, model, opt, sched)  # hyperparameters merged from both ranks by FQN
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+    for stage_blocks in ([0], [1, 2], [3]):  # three stages of a different split
+        stage, stage_opt, stage_sched = make_training(stage_blocks, seed=11)
+        part = tier.read(2, select=stage_selector(stage))
+        assert set(part.tensors) == {n for n in expected if stage_selector(stage)(n)}
+        result = restore_state(part, stage, stage_opt, stage_sched)
+        assert result.step == 2 and result.unexpected == ()
+        for name, t in stage.state_dict().items():
+            assert torch.equal(t, expected[name]), name
+        for fqn, p in stage.named_parameters():
+            assert torch.equal(stage_opt.state[p]["exp_avg"], expected[f"optim.{fqn}.exp_avg"])
+
+
+def test_half_written_checkpoint_is_ignored_and_reported(tmp_path: Path) -> None:
+    model, opt, sched, s1 = trained_state(1)
+    tier = DurableTier(tmp_path)
+    tier.save(s1)
+    train_step(model, opt, sched, 2)
+    tier.write(capture_state(model, opt, sched, step=2))  # crash before commit
+    assert tier.latest() == 1
+    infos = tier.checkpoints()
+    assert [(i.step, i.committed) for i in infos] == [(1, True), (2, False)]
+    assert "no commit marker" in (infos[1].reason or "")
+    with pytest.raises(IncompleteCheckpointError, match="step-00000002 has no commit marker"):
+        tier.read(2)
+    assert tier.read().step == 1
+
+
+def test_retention_keeps_the_newest_and_removes_stale_partials(tmp_path: Path) -> None:
+    model, opt, sched = make_training()
+    tier = DurableTier(tmp_path, keep_last=2)
+    for step in range(1, 5):
+        train_step(model, opt, sched, step)
+        state = capture_state(model, opt, sched, step=step)
+        if step == 2:
+            tier.write(state)  # never committed
+        else:
+            tier.save(state)
+    assert [(i.step, i.committed) for i in tier.checkpoints()] == [(3, True), (4, True)]
+
+
+def test_different_model_is_named_on_restore(tmp_path: Path) -> None:
+    *_, state = trained_state(1, blocks=[0, 1])
+    tier = DurableTier(tmp_path)
+    tier.save(state)
+    other, other_opt, _ = make_training(blocks=[3])
+    with pytest.raises(StateMismatchError, match=r"missing tensor\(s\) \['blocks.3.lin.bias'"):
+        restore_state(tier.read(select=stage_selector(other)), other, other_opt)
+
+
+def test_fsspec_url(tmp_path: Path) -> None:
+    *_, state = trained_state(1)
+    tier = DurableTier("memory://bubbleguard-test/run1")
+    tier.save(state)
+    assert tier.latest() == 1
+    assert_same_state(tier.read(1), state.clone())
+
+
+def test_root_that_is_a_file_and_no_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        DurableTier(tmp_path / "f")
+    with pytest.raises(FileNotFoundError, match="no committed checkpoint under"):
+        DurableTier(tmp_path / "empty").read()
+
+
+def _mount_tmpfs(path: Path, options: str) -> bool:
+    path.mkdir()
+    if os.geteuid() != 0:
+        return False
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
+    )
+    return r.returncode == 0
+
+
+@pytest.mark.timeout(60)
+def test_full_disk_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    small = tmp_path / "small"
+    if not _mount_tmpfs(small, "size=1m"):
+        pytest.skip("needs root to mount a small tmpfs (a full disk cannot be faked without mocks)")
+    try:
+        model, opt, sched = make_training(dim=64)  # ~400 KB of state per checkpoint
+        tier = DurableTier(small, keep_last=10)
+        committed = []
+        with pytest.raises(OSError) as e:
+            for step in range(1, 10):
+                train_step(model, opt, sched, step, dim=64)
+                tier.save(capture_state(model, opt, sched, step=step))
+                committed.append(step)
+        assert e.value.errno == errno.ENOSPC
+        assert committed and f"previous checkpoint (step {committed[-1]}) is kept" in str(e.value)
+        assert tier.latest() == committed[-1]
+        assert [i.step for i in tier.checkpoints()] == committed  # the partial one was removed
+        assert tier.read().step == committed[-1]
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+@pytest.mark.timeout(60)
+def test_read_only_directory(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    mounted = _mount_tmpfs(ro, "ro,size=1m")
+    if not mounted:
+        if os.geteuid() == 0:
+            pytest.skip("root ignores permission bits and cannot mount a read-only tmpfs here")
+        ro.chmod(0o555)
+    try:
+        *_, state = trained_state(1)
+        with pytest.raises(PermissionError, match=f"{ro} is not writable"):
+            DurableTier(ro).save(state)
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(ro)], check=False)
+        else:
+            ro.chmod(0o755)

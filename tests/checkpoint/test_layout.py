@@ -1,0 +1,104 @@
+"""Tests for checkpoint/layout.py: chunks partition the region, copies round-trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bubbleguard.checkpoint.layout import (
+    ChunkLayout,
+    copy_chunk,
+    flat_bytes,
+    tensors_from_region,
+)
+
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.float64,
+]
+
+
+@st.composite
+def tensor_sets(draw):
+    n = draw(st.integers(0, 6))
+    out = {}
+    for i in range(n):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 9), max_size=3)))
+        out[f"t{i}.weight"] = (torch.rand(shape) * 100).to(dtype)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(tensors=tensor_sets(), chunk_units=st.integers(1, 8))
+def test_chunks_cover_every_tensor_byte_once_and_round_trip(tensors, chunk_units) -> None:
+    layout = ChunkLayout.build(tensors, chunk_bytes=64 * chunk_units)
+    assert layout.total_bytes % 64 == 0
+    assert sum(layout.chunk_sizes()) == layout.total_bytes
+    covered: dict[str, list[tuple[int, int]]] = {name: [] for name in tensors}
+    for cid in range(layout.num_chunks):
+        start, end = layout.chunk_range(cid)
+        for seg in layout.segments(cid):
+            assert start <= seg.region_offset and seg.region_offset + seg.num_bytes <= end
+            covered[seg.name].append((seg.tensor_offset, seg.tensor_offset + seg.num_bytes))
+    for slot in layout.tensors:
+        ranges = sorted(covered[slot.name])
+        pos = 0
+        for a, b in ranges:
+            assert a == pos and b > a
+            pos = b
+        assert pos == slot.num_bytes
+    region = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    sources = {k: flat_bytes(v) for k, v in tensors.items()}
+    copied = sum(
+        copy_chunk(layout, cid, sources, region) for cid in reversed(range(layout.num_chunks))
+    )
+    assert copied == sum(t.numel() * t.element_size() for t in tensors.values())
+    back = tensors_from_region(layout, region)
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    assert ChunkLayout.from_json(layout.to_json()) == layout
+
+
+def test_a_tensor_spans_chunks_and_a_chunk_spans_tensors() -> None:
+    tensors = {"a": torch.zeros(40, dtype=torch.uint8), "b": torch.zeros(100, dtype=torch.uint8)}
+    layout = ChunkLayout.build(tensors, chunk_bytes=128)
+    # a at [0, 40), b at [64, 164): chunk 0 holds a and the start of b, chunk 1 the rest of b
+    assert [
+        (s.name, s.tensor_offset, s.region_offset, s.num_bytes) for s in layout.segments(0)
+    ] == [
+        ("a", 0, 0, 40),
+        ("b", 0, 64, 64),
+    ]
+    assert [
+        (s.name, s.tensor_offset, s.region_offset, s.num_bytes) for s in layout.segments(1)
+    ] == [("b", 64, 128, 36)]
+    assert layout.chunk_sizes() == (128, 64)
+
+
+def test_matches_detects_shape_dtype_and_name_changes() -> None:
+    tensors = {"a": torch.zeros(3), "b": torch.zeros(2, dtype=torch.int64)}
+    layout = ChunkLayout.build(tensors)
+    assert layout.matches(tensors)
+    assert not layout.matches({"a": torch.zeros(4), "b": tensors["b"]})
+    assert not layout.matches({"a": torch.zeros(3, dtype=torch.float64), "b": tensors["b"]})
+    assert not layout.matches({"a": tensors["a"], "c": tensors["b"]})
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="multiple of 64, got 100"):
+        ChunkLayout.build({"a": torch.zeros(1)}, chunk_bytes=100)
+    layout = ChunkLayout.build({"a": torch.zeros(1)}, chunk_bytes=64)
+    with pytest.raises(IndexError, match="chunk id 1 out of range"):
+        layout.segments(1)
+    obj = layout.to_json()
+    obj["tensors"][0][3] = 8
+    with pytest.raises(ValueError, match="tensor 'a' is inconsistent"):
+        ChunkLayout.from_json(obj)

@@ -1,0 +1,56 @@
+"""Tests for checkpoint/persist.py: background persist on its own gloo group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bubbleguard.checkpoint.tiers.durable import DurableTier
+from bubbleguard.checkpoint.tiers.shm import MemoryTier
+from tests.checkpoint.ckpt_testlib import (
+    STAGES_OF_2,
+    assert_same_tensors,
+    persist_worker,
+    run_ranks,
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_background_persist_of_two_stages(tmp_path: Path) -> None:
+    run_ranks(persist_worker, 2, str(tmp_path), str(tmp_path))
+    durable = DurableTier(tmp_path / "durable")
+    assert [(i.step, i.committed) for i in durable.checkpoints()] == [
+        (4, True),
+        (6, True),
+    ]  # keep_last=2
+    whole = durable.read(6)
+    assert whole.metadata["data_cursor"] == {"batch": 6}
+    expected = {}
+    for rank in STAGES_OF_2:
+        snap = MemoryTier("persist", rank, num_ranks=2, root=tmp_path / "shm", create=False).read(6)
+        expected.update(snap.tensors)
+        if rank == 0:
+            assert_same_tensors(
+                dict(durable.read(6, rank=0).local_tensors), dict(snap.local_tensors)
+            )
+    assert_same_tensors(dict(whole.tensors), expected)
+
+
+def test_single_process_persist_and_missing_step(tmp_path: Path) -> None:
+    from tests.checkpoint.ckpt_testlib import trained_state
+
+    from bubbleguard.checkpoint.persist import BackgroundPersister
+
+    *_, state = trained_state(1)
+    memory = MemoryTier("p", 0, root=tmp_path, chunk_bytes=1024)
+    memory.write(state)
+    persister = BackgroundPersister(memory, DurableTier(tmp_path / "d"))
+    persister.submit(1)
+    persister.submit(5)  # not in the memory tier: reported, not fatal
+    results = persister.close(timeout_s=30)
+    assert [(r.step, r.persisted) for r in results] == [(1, True), (5, False)]
+    assert "no complete snapshot of step 5" in (results[1].error or "")
+    assert DurableTier(tmp_path / "d").latest() == 1
+    memory.cleanup()

@@ -1,0 +1,190 @@
+"""Tests for checkpoint/tiers/shm.py: the shared-memory snapshot tier."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bubbleguard.checkpoint.errors import CorruptSnapshotError, IncompleteCheckpointError
+from bubbleguard.checkpoint.tiers.shm import MemoryTier, remove_job, shm_job_dir
+from tests.checkpoint.ckpt_testlib import (
+    assert_same_state,
+    train_step,
+    trained_state,
+    write_then_die,
+)
+
+CHUNK = 1024  # small chunks so that the tiny model spans many
+
+
+@pytest.fixture
+def tier(tmp_path: Path):
+    t = MemoryTier("job", 0, root=tmp_path, chunk_bytes=CHUNK)
+    yield t
+    t.cleanup()
+
+
+def test_round_trip_is_identical_and_private(tier: MemoryTier, tmp_path: Path) -> None:
+    *_, state = trained_state(2)
+    layout = tier.begin(state)
+    assert layout.num_chunks > 4
+    for cid in reversed(range(layout.num_chunks)):  # any order, e.g. as bubbles come
+        tier.copy_chunk(cid)
+    assert tier.pending_chunks() == []
+    record = tier.finish()
+    assert record.step == 2 and len(record.checksums) == layout.num_chunks
+    assert_same_state(tier.read(2), state)
+    assert_same_state(tier.read_latest(), state)
+    for d in (tmp_path / f"bubbleguard-{os.getuid()}", shm_job_dir("job", tmp_path), tier.rank_dir):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    for f in tier.rank_dir.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+
+
+def test_two_slots_keep_the_last_complete_snapshot_while_writing(tier: MemoryTier) -> None:
+    model, opt, sched, s2 = trained_state(2)
+    tier.write(s2)
+    s2 = s2.clone()
+    from bubbleguard.checkpoint.state import capture_state
+
+    train_step(model, opt, sched, 3)
+    tier.begin(capture_state(model, opt, sched, step=3))
+    tier.copy_chunk(0)
+    assert tier.steps() == [2]
+    assert_same_state(tier.read_latest(), s2)  # still valid mid-write
+    tier.finish()
+    assert tier.steps() == [3, 2]
+    train_step(model, opt, sched, 4)
+    tier.begin(capture_state(model, opt, sched, step=4))
+    assert tier.steps() == [3]  # the older slot (step 2) is the one being overwritten
+    tier.finish()
+    assert tier.steps() == [4, 3]
+
+
+def test_slot_files_are_allocated_once(tier: MemoryTier) -> None:
+    model, opt, sched, state = trained_state(1)
+    from bubbleguard.checkpoint.state import capture_state
+
+    tier.write(state)
+    inodes = {p.name: p.stat().st_ino for p in tier.rank_dir.glob("*.bin")}
+    mapped = list(tier._slots)
+    for step in range(2, 6):
+        train_step(model, opt, sched, step)
+        tier.write(capture_state(model, opt, sched, step=step))
+    assert {p.name: p.stat().st_ino for p in tier.rank_dir.glob("*.bin")} | inodes == {
+        p.name: p.stat().st_ino for p in tier.rank_dir.glob("*.bin")
+    }
+    assert tier._slots[0] is mapped[0]
+
+
+def test_corrupt_chunk_is_named_and_the_older_slot_is_used(tier: MemoryTier) -> None:
+    model, opt, sched, s2 = trained_state(2)
+    tier.write(s2)
+    s2 = s2.clone()
+    from bubbleguard.checkpoint.state import capture_state
+
+    train_step(model, opt, sched, 3)
+    tier.write(capture_state(model, opt, sched, step=3))
+    record = tier.records()[0]
+    assert record.step == 3
+    data = tier.rank_dir / f"slot{record.slot}.bin"
+    with open(data, "r+b") as f:  # flip one byte inside chunk 2
+        f.seek(2 * CHUNK + 5)
+        b = f.read(1)
+        f.seek(2 * CHUNK + 5)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(
+        CorruptSnapshotError, match=rf"chunk 2 \(bytes {2 * CHUNK}-{3 * CHUNK}\) of {data}"
+    ):
+        tier.read(3)
+    with pytest.warns(UserWarning, match="chunk 2"):
+        assert_same_state(tier.read_latest(), s2)
+    assert tier.valid_steps() == [2]
+
+
+def test_snapshot_survives_sigkill_of_the_writer(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=write_then_die, args=(str(tmp_path), "crash", CHUNK))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    *_, expected = trained_state(2)
+    reader = MemoryTier("crash", 0, root=tmp_path, create=False)
+    assert reader.steps() == [2]  # the half-copied step 3 has no record
+    assert_same_state(reader.read_latest(), expected)
+    remove_job("crash", tmp_path)
+    assert not shm_job_dir("crash", tmp_path).exists()
+
+
+def test_commit_marker_needs_every_rank(tmp_path: Path) -> None:
+    *_, state = trained_state(1, blocks=[0, 1])
+    *_, other = trained_state(1, blocks=[2, 3])
+    r0 = MemoryTier("j", 0, num_ranks=2, root=tmp_path, chunk_bytes=CHUNK)
+    r1 = MemoryTier("j", 1, num_ranks=2, root=tmp_path, chunk_bytes=CHUNK)
+    r0.write(state)
+    with pytest.raises(IncompleteCheckpointError, match=r"ranks \[1\] have no complete snapshot"):
+        r0.commit(1)
+    assert r0.latest() is None
+    r1.write(other)
+    r0.commit(1)
+    assert r0.latest() == 1 and r1.latest() == 1
+    r0.cleanup()
+    r1.cleanup()
+    assert not shm_job_dir("j", tmp_path).exists()
+
+
+def test_begin_waits_for_a_held_slot(tier: MemoryTier) -> None:
+    model, opt, sched, state = trained_state(1)
+    from bubbleguard.checkpoint.state import capture_state
+
+    tier.write(state)
+    train_step(model, opt, sched, 2)
+    tier.write(capture_state(model, opt, sched, step=2))
+    train_step(model, opt, sched, 3)
+    s3 = capture_state(model, opt, sched, step=3)
+    with tier.hold(1):  # a persist still reads step 1, the slot step 3 would take
+        t = threading.Thread(target=tier.begin, args=(s3,))
+        t.start()
+        time.sleep(0.3)
+        assert t.is_alive()
+        assert tier.steps() == [2, 1]
+    t.join(10)
+    assert not t.is_alive()
+    tier.finish()
+    assert tier.steps() == [3, 2]
+
+
+def test_layout_change_reallocates(tier: MemoryTier) -> None:
+    *_, small = trained_state(1, blocks=[0])
+    *_, big = trained_state(2)
+    tier.write(small)
+    tier.write(big)
+    assert_same_state(tier.read(2), big)
+    assert tier.read(1).tensors.keys() == small.tensors.keys()
+    sizes = sorted(p.stat().st_size for p in tier.rank_dir.glob("*.bin"))
+    assert sizes[0] < sizes[1]
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="job_id '../x'"):
+        MemoryTier("../x", 0, root=tmp_path)
+    with pytest.raises(ValueError, match="num_slots must be >= 2"):
+        MemoryTier("j", 0, root=tmp_path, num_slots=1)
+    with pytest.raises(FileNotFoundError, match="shared-memory root .*nowhere does not exist"):
+        MemoryTier("j", 0, root=tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="no memory-tier snapshots for rank 0"):
+        MemoryTier("absent", 0, root=tmp_path, create=False)
+    t = MemoryTier("j", 0, root=tmp_path)
+    with pytest.raises(RuntimeError, match="without begin"):
+        t.copy_chunk(0)
+    with pytest.raises(FileNotFoundError, match="no complete memory-tier snapshot"):
+        t.read_latest()
+    assert torch.get_num_threads() >= 1
