@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from bubbleguard.checkpoint.checkpointer import CheckpointConfig, Checkpointer, ResumeInfo
 from bubbleguard.data import TokenBatches, load_corpus
+from bubbleguard.elastic.faults import parse_fault
 from bubbleguard.elastic.launcher import launch_local
 from bubbleguard.models import (
     MODEL_NAMES,
@@ -67,6 +69,16 @@ class TrainConfig:
         run_dir: where ranks leave their timelines.
         threads: torch threads per rank.
         progress: show a progress bar on the reporting rank.
+        ckpt: checkpoint mode (``none``, ``bubble`` or a baseline; see
+            :data:`bubbleguard.checkpoint.checkpointer.CHECKPOINT_MODES`).
+        ckpt_dir: durable checkpoint root (local path or fsspec URL).
+        ckpt_every: snapshot every this many steps.
+        persist_every: durable checkpoint every this many steps (0: only at the end).
+        keep_last: durable checkpoints to keep.
+        resume: start from the newest complete checkpoint (memory tier first, then durable).
+        fault: ``RANK:STEP[:PHASE]`` to kill a rank on the first attempt (fault injection).
+        max_restarts: times torchrun restarts the group after a failure; restarted ranks
+            resume from the newest checkpoint.
     """
 
     model: str = "gpt"
@@ -84,6 +96,14 @@ class TrainConfig:
     run_dir: str = "runs/latest"
     threads: int = 1
     progress: bool = True
+    ckpt: str = "none"
+    ckpt_dir: str = ""
+    ckpt_every: int = 1
+    persist_every: int = 10
+    keep_last: int = 3
+    resume: bool = False
+    fault: str | None = None
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_NAMES:
@@ -96,6 +116,15 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        self.checkpoint_config  # noqa: B018 -- validates the checkpoint options
+        if self.fault is not None:
+            fault = parse_fault(self.fault)
+            if fault.rank >= self.world_size:
+                raise ValueError(f"--fault names rank {fault.rank} of a {self.world_size}-rank run")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.resume and self.ckpt == "none":
+            raise ValueError("--resume needs a checkpoint mode (--ckpt bubble) and --ckpt-dir")
         num_layers = model_config(self.model, **self.model_options).num_layers
         partition_layers(num_layers, self.stages)  # raises: more stages than layers
         if self.world_size > max_local_ranks():
@@ -112,6 +141,12 @@ class TrainConfig:
     def world_size(self) -> int:
         """Ranks the run needs: stages x replicas."""
         return self.stages * self.replicas
+
+    @property
+    def checkpoint_config(self) -> CheckpointConfig:
+        """The checkpoint options as the checkpointer takes them."""
+        return CheckpointConfig(mode=self.ckpt, ckpt_dir=self.ckpt_dir, every=self.ckpt_every,
+                                persist_every=self.persist_every, keep_last=self.keep_last)
 
     @property
     def layout(self) -> Layout:
@@ -152,29 +187,49 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     batches = TokenBatches(load_corpus(), window=model_seq_len(mcfg), batch_size=cfg.batch_size,
                            seed=cfg.seed, target=model_target(mcfg))
 
+    # Checkpoints: a restarted group (torchrun restart) always resumes; a new run when asked.
+    ckpt = Checkpointer(job, cfg.checkpoint_config, data_state=batches.state_dict)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    resumed = ResumeInfo(0, "none")
+    if cfg.resume or restart > 0:
+        resumed = ckpt.resume(batches.load_state_dict)
+    fault = parse_fault(cfg.fault) if cfg.fault else None
+
     reporter = rank == layout.rank(cfg.stages - 1, 0)
     metrics = open(cfg.metrics, "a") if reporter and cfg.metrics else None  # noqa: SIM115
     bar = None
     if reporter and cfg.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=cfg.steps, initial=resumed.step, desc="train", unit="step",
+                   dynamic_ncols=True)
+        if resumed.step:
+            bar.write(f"resumed from step {resumed.step} ({resumed.tier} tier)")
     loss = None
     try:
-        for step in range(1, cfg.steps + 1):
+        for step in range(resumed.step + 1, cfg.steps + 1):
             inputs, targets = batches.next_batch()
             inputs = inputs.chunk(cfg.replicas)[replica]
             targets = targets.chunk(cfg.replicas)[replica]
+            if fault:
+                fault.maybe_fire(rank, step, "before")
             start = time.perf_counter()
             loss = job.step(inputs, targets)
             step_time_s = time.perf_counter() - start
+            if fault:
+                fault.maybe_fire(rank, step, "after")
             if metrics is not None:
-                metrics.write(json.dumps({"step": step, "loss": loss,
-                                          "step_time_s": step_time_s}) + "\n")
+                record = {"step": step, "loss": loss, "step_time_s": step_time_s,
+                          "ckpt_blocking_s": job.last_stats["ckpt_blocking_s"],
+                          "ckpt_bubble_s": job.last_stats["ckpt_bubble_s"], "restart": restart}
+                if step == resumed.step + 1 and resumed.step:
+                    record["resumed_from"] = {"step": resumed.step, "tier": resumed.tier}
+                metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}")
+        ckpt.close()
     finally:
         if bar is not None:
             bar.close()
@@ -184,7 +239,8 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     save_events(Path(cfg.run_dir) / f"timeline-rank{rank}.json", job.timeline.events)
     dist.destroy_process_group()
-    return {"rank": rank, "stage": stage_index, "replica": replica, "loss": loss}
+    return {"rank": rank, "stage": stage_index, "replica": replica, "loss": loss,
+            "resumed_from": resumed.step, "resumed_tier": resumed.tier}
 
 
 @dataclass(frozen=True)
@@ -209,7 +265,8 @@ def run_local(cfg: TrainConfig) -> RunResult:
         bubbleguard.elastic.launcher.LaunchError: a rank failed.
     """
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    results = launch_local(train_worker, (cfg,), cfg.world_size, threads_per_rank=cfg.threads)
+    results = launch_local(train_worker, (cfg,), cfg.world_size, threads_per_rank=cfg.threads,
+                           max_restarts=cfg.max_restarts)
     events = [e for r in range(cfg.world_size)
               for e in load_events(Path(cfg.run_dir) / f"timeline-rank{r}.json")]
     final_loss = results[cfg.layout.rank(cfg.stages - 1, 0)]["loss"]

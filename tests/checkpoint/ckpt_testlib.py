@@ -107,7 +107,7 @@ def _entry(
 
 
 def run_ranks(
-    fn: Callable[..., None], world: int, tmp: str, *args: Any, timeout_s: float = 60
+    fn: Callable[..., None], world: int, tmp: str, *args: Any, timeout_s: float = 180
 ) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes on one gloo group."""
     store = os.path.join(tmp, f"store-{time.monotonic_ns()}")

@@ -39,9 +39,8 @@ def test_background_persist_of_two_stages(tmp_path: Path) -> None:
 
 
 def test_single_process_persist_and_missing_step(tmp_path: Path) -> None:
-    from tests.checkpoint.ckpt_testlib import trained_state
-
     from bubbleguard.checkpoint.persist import BackgroundPersister
+    from tests.checkpoint.ckpt_testlib import trained_state
 
     *_, state = trained_state(1)
     memory = MemoryTier("p", 0, root=tmp_path, chunk_bytes=1024)

@@ -17,6 +17,7 @@ from bubbleguard.pipeline.schedules import (
     gpipe,
     one_f_one_b,
     validate,
+    with_checkpoint,
 )
 
 ALL_SIZES = [(p, m) for p in range(1, 9) for m in range(1, 17)]
@@ -111,3 +112,13 @@ def test_validate_catches_backward_before_forward_and_bad_pairing() -> None:
     a0 = [a for a in sched.stages[0] if a.kind is not ActionKind.STEP]
     with pytest.raises(ValueError, match="must end with STEP"):
         validate(_swap_stage(sched, 0, a0))
+
+
+def test_with_checkpoint_puts_one_checkpoint_before_every_step() -> None:
+    for name in SCHEDULE_NAMES:
+        sched = with_checkpoint(build_schedule(name, 3, 4))
+        validate(sched)
+        dry_run(sched)
+        for actions in sched.stages:
+            assert [str(a) for a in actions[-2:]] == ["CKPT", "STEP"]
+        assert with_checkpoint(sched) == sched

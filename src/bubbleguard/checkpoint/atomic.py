@@ -51,6 +51,12 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     fsync_dir(parent)
 
 
-def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write ``obj`` as indented JSON to ``path`` atomically (see :func:`atomic_write_bytes`)."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, compact: bool = False) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (see :func:`atomic_write_bytes`).
+
+    Indented for people by default; ``compact`` uses the C encoder (no indent), about ten
+    times faster for records written on the training's critical path.
+    """
+    text = (json.dumps(obj, separators=(",", ":")) if compact
+            else json.dumps(obj, indent=2, sort_keys=True))
+    atomic_write_bytes(path, (text + "\n").encode())

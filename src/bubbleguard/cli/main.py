@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from bubbleguard.checkpoint.checkpointer import CHECKPOINT_MODES
 from bubbleguard.elastic.launcher import LaunchError
 from bubbleguard.models import MODEL_NAMES
 from bubbleguard.pipeline.schedules import SCHEDULE_NAMES, build_schedule
@@ -51,6 +52,22 @@ def _add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> N
     p.add_argument("--metrics", help="append one JSON line per step here")
     p.add_argument("--run-dir", help="keep the ranks' timelines and bubble map here")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    ck = p.add_argument_group("checkpoints")
+    ck.add_argument("--ckpt", choices=CHECKPOINT_MODES, default=defaults.ckpt,
+                    help="checkpoint mode: ours (bubble) or a baseline")
+    ck.add_argument("--ckpt-dir", default=defaults.ckpt_dir,
+                    help="durable checkpoint root (local path or fsspec URL)")
+    ck.add_argument("--ckpt-every", type=int, default=defaults.ckpt_every,
+                    help="snapshot every N steps")
+    ck.add_argument("--persist-every", type=int, default=defaults.persist_every,
+                    help="durable (DCP) checkpoint every K steps; 0: only at the end")
+    ck.add_argument("--keep-last", type=int, default=defaults.keep_last,
+                    help="durable checkpoints to keep")
+    ck.add_argument("--resume", action="store_true",
+                    help="start from the newest complete checkpoint (memory tier, then durable)")
+    ck.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
+                    help="torchrun restarts after a failure; restarted ranks resume")
+    ck.add_argument("--fault", help="fault injection: kill RANK at STEP (RANK:STEP[:before|after])")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +95,10 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
                        microbatches=args.microbatches, batch_size=args.batch_size,
                        schedule=args.schedule, steps=args.steps, seed=args.seed, lr=args.lr,
                        model_options=options, trace=args.trace, metrics=args.metrics,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, ckpt=args.ckpt, ckpt_dir=args.ckpt_dir,
+                       ckpt_every=args.ckpt_every, persist_every=args.persist_every,
+                       keep_last=args.keep_last, resume=args.resume, fault=args.fault,
+                       max_restarts=args.max_restarts)
 
 
 def run_training(cfg: TrainConfig, run_dir: str | None) -> int:

@@ -99,7 +99,7 @@ def closed_form_bubble_fraction(num_stages: int, num_microbatches: int) -> float
 def _preceding(actions: Sequence[Action], index: int) -> str:
     """The last forward, backward or step before ``index`` (sends take no time): "start" if none."""
     for a in reversed(actions[:index]):
-        if not (a.kind.is_send or a.kind.is_recv):
+        if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP):
             return str(a)
     return "start"
 
@@ -155,7 +155,7 @@ def predict_bubbles(
                         windows[s].append(IdleWindow(cursor[s], str(a), _preceding(actions, cursor[s]),
                                                      clock[s] - iteration_start[s], ready - clock[s]))
                     clock[s] = ready
-                else:
+                elif a.kind in cost:
                     clock[s] += cost[a.kind][s]
                 progressed = True
                 cursor[s] += 1

@@ -3,8 +3,9 @@
 Every rank builds a :class:`PipelineJob` for its stage and calls :meth:`PipelineJob.step` once per
 iteration with the same arguments (its replica's batch); each rank uses what its stage needs (the
 first stage the inputs, the last stage the targets). Receives are posted non-blocking and waited on
-where the schedule needs the data; while a stage waits, an optional :class:`IdleWork` (checkpoint
-copies) runs in the window, and the wait is recorded as an idle event on the timeline.
+where the schedule needs the data; while a stage waits, optional :class:`StepHooks` (a
+checkpointer) copy snapshot chunks in the window, and the wait is recorded as an idle event on the
+timeline, with the copies inside it.
 
 Call order, per rank::
 
@@ -20,6 +21,7 @@ collective.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -36,11 +38,12 @@ from bubbleguard.pipeline.schedules import (
     PipelineSchedule,
     build_schedule,
     validate,
+    with_checkpoint,
 )
 from bubbleguard.pipeline.stage import StageModule
 from bubbleguard.pipeline.timeline import EventKind, Timeline
 
-__all__ = ["IdleWork", "PipelineJob"]
+__all__ = ["PipelineJob", "StepHooks"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -49,11 +52,26 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _HEADER_LEN = 10
 
 
-class IdleWork(Protocol):
-    """Work that a stage can do while it waits for a receive (checkpoint copies)."""
+class StepHooks(Protocol):
+    """What a checkpointer plugs into the runtime; called on every rank's training thread.
+
+    Per iteration: ``run_one`` any number of times while the stage waits on a receive, then
+    ``before_step`` at the ``CHECKPOINT`` action (just before the optimizer step: the state must
+    not change under an unfinished snapshot), then ``after_step`` right after the optimizer step.
+    Time spent in ``before_step`` and ``after_step`` is checkpoint overhead (``ckpt_blocking_s``);
+    time in ``run_one`` hides in bubbles (``ckpt_bubble_s``).
+    """
 
     def run_one(self) -> bool:
-        """Do one short unit of work; return False when there is nothing left to do."""
+        """Do one short unit of work (copy a chunk); return False when there is nothing to do."""
+        ...
+
+    def before_step(self) -> None:
+        """Finish the snapshot in flight (copy what the bubbles did not)."""
+        ...
+
+    def after_step(self, step: int) -> None:
+        """The optimizer just produced the state of ``step``: start its snapshot if due."""
         ...
 
 
@@ -80,14 +98,11 @@ class _RecvWaiter:
                 errors.append(exc)
             done.set()
 
-    def wait(self, work: dist.Work, idle_work: IdleWork) -> None:
+    def submit(self, work: dist.Work) -> tuple[threading.Event, list[BaseException]]:
+        """Start waiting on ``work``; the event is set when it completed (or failed)."""
         done, errors = threading.Event(), []  # type: ignore[var-annotated]
         self._jobs.put((work, done, errors))
-        while not done.is_set():
-            if not idle_work.run_one():
-                done.wait()
-        if errors:
-            raise errors[0]
+        return done, errors
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -104,7 +119,8 @@ class PipelineJob:
         schedule: ``"gpipe"``, ``"1f1b"`` or a prebuilt :class:`PipelineSchedule`.
         num_microbatches: microbatches per iteration (must divide the batch).
         timeline: record a timeline of every action (cheap; needed for bubble maps).
-        idle_work: work to run in the idle windows, or None.
+        hooks: a checkpointer's hooks (see :class:`StepHooks`), or None; can also be attached
+            later with :meth:`attach_hooks`.
 
     Raises:
         ValueError: the layout does not match the process group or the stage.
@@ -121,7 +137,7 @@ class PipelineJob:
         schedule: str | PipelineSchedule = "1f1b",
         num_microbatches: int = 1,
         timeline: bool = True,
-        idle_work: IdleWork | None = None,
+        hooks: StepHooks | None = None,
     ) -> None:
         self.layout = layout or Layout(stage.num_stages)
         if self.layout.num_stages != stage.num_stages:
@@ -152,8 +168,11 @@ class PipelineJob:
         self.actions: tuple[Action, ...] = self.schedule.stages[stage.stage_index]
         self.replica = self.layout.replica_of(self.rank)
         self.timeline = Timeline(self.rank, stage.stage_index, self.replica, enabled=timeline)
-        self.idle_work = idle_work
+        self.hooks: StepHooks | None = None
+        if hooks is not None:
+            self.attach_hooks(hooks)
         self.step_count = 0
+        self.last_stats: dict[str, float] = {}
         # Every rank must create every group, in the same order.
         self._replica_group: dist.ProcessGroup | None = None
         if self.layout.num_replicas > 1:
@@ -164,6 +183,12 @@ class PipelineJob:
         self._input_meta: tuple[torch.Size, torch.dtype] | None = None
         self._output_meta: tuple[torch.Size, torch.dtype] | None = None
         self._waiter: _RecvWaiter | None = None
+
+    def attach_hooks(self, hooks: StepHooks) -> None:
+        """Plug a checkpointer in: adds the ``CHECKPOINT`` action before every ``STEP``."""
+        self.hooks = hooks
+        self.schedule = with_checkpoint(self.schedule)
+        self.actions = self.schedule.stages[self.stage.stage_index]
 
     # ----------------------------------------------------------------- helpers
 
@@ -178,12 +203,22 @@ class PipelineJob:
 
     def _wait_recv(self, work: dist.Work, action: Action, index: int) -> None:
         start = time.perf_counter()
-        if self.idle_work is None:
+        if self.hooks is None:
             work.wait()
         else:
             if self._waiter is None:
                 self._waiter = _RecvWaiter()
-            self._waiter.wait(work, self.idle_work)
+            done, errors = self._waiter.submit(work)
+            while not done.is_set():
+                t0 = time.perf_counter()
+                if not self.hooks.run_one():
+                    done.wait()
+                    break
+                t1 = time.perf_counter()
+                self.timeline.add(EventKind.CHECKPOINT, "ckpt chunk", t0, t1, index)
+                self.last_stats["ckpt_bubble_s"] += t1 - t0
+            if errors:
+                raise errors[0]
         self.timeline.add(EventKind.IDLE, f"wait {action}", start, time.perf_counter(), index)
 
     def _negotiate_shapes(self, first_microbatch: torch.Tensor | None) -> None:
@@ -251,6 +286,7 @@ class PipelineJob:
         assert self._input_meta is not None and self._output_meta is not None
         self.step_count += 1
         self.timeline.step = self.step_count
+        self.last_stats = {"ckpt_blocking_s": 0.0, "ckpt_bubble_s": 0.0}
         stage_inputs: dict[int, torch.Tensor] = {}
         stage_outputs: dict[int, torch.Tensor] = {}
         losses: dict[int, torch.Tensor] = {}
@@ -305,6 +341,9 @@ class PipelineJob:
                     work = dist.isend(payload, self._peer_rank(action.peer), tag=self._tag(action))
                     assert work is not None
                     pending_sends.append((work, payload))
+            elif kind is ActionKind.CHECKPOINT:
+                assert self.hooks is not None
+                self._timed_hook(self.hooks.before_step, "CKPT finish", index)
             elif kind is ActionKind.STEP:
                 with tl.span(EventKind.STEP, "STEP", index):
                     for work, _ in pending_sends:
@@ -312,7 +351,17 @@ class PipelineJob:
                     loss_sum = self._average_gradients(loss_sum)
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
+                if self.hooks is not None:
+                    self._timed_hook(functools.partial(self.hooks.after_step, self.step_count),
+                                     "CKPT begin", index)
         return float(loss_sum) if stage.is_last else None
+
+    def _timed_hook(self, hook: Callable[[], None], name: str, index: int) -> None:
+        start = time.perf_counter()
+        hook()
+        end = time.perf_counter()
+        self.timeline.add(EventKind.CHECKPOINT, name, start, end, index)
+        self.last_stats["ckpt_blocking_s"] += end - start
 
     def _average_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """Average gradients (and the loss) over the stage's replicas with one all-reduce."""

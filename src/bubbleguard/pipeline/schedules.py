@@ -15,6 +15,9 @@ Conventions, shared with the runtime:
   ``STEP``.
 * ``STEP`` is the last action of every stage's list: gradients of all microbatches are in (and, with
   data-parallel replicas, averaged), then the optimizer steps.
+* ``CHECKPOINT`` (added by :func:`with_checkpoint`) sits just before ``STEP``: the snapshot of the
+  previous step must be complete before the optimizer changes the state, so whatever the bubbles
+  did not copy is copied there, on the critical path.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "gpipe",
     "one_f_one_b",
     "validate",
+    "with_checkpoint",
 ]
 
 
@@ -46,6 +50,7 @@ class ActionKind(enum.Enum):
     RECV_ACT = "RA"
     SEND_GRAD = "SG"
     RECV_GRAD = "RG"
+    CHECKPOINT = "CKPT"
     STEP = "STEP"
 
     @property
@@ -74,8 +79,8 @@ class Action:
     peer: int | None = None
 
     def __str__(self) -> str:
-        if self.kind is ActionKind.STEP:
-            return "STEP"
+        if self.microbatch is None:
+            return self.kind.value
         arrow = {True: "->", False: "<-"}[self.kind.is_send]
         peer = f"{arrow}{self.peer}" if self.peer is not None else ""
         return f"{self.kind.value}{self.microbatch}{peer}"
@@ -181,6 +186,18 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> PipelineSchedule:
     return PipelineSchedule("1f1b", num_stages, num_microbatches, tuple(stages))
 
 
+def with_checkpoint(schedule: PipelineSchedule) -> PipelineSchedule:
+    """The same schedule with a ``CHECKPOINT`` action just before every stage's ``STEP``."""
+    stages = []
+    for actions in schedule.stages:
+        if any(a.kind is ActionKind.CHECKPOINT for a in actions):
+            stages.append(actions)
+        else:
+            stages.append((*actions[:-1], Action(ActionKind.CHECKPOINT), actions[-1]))
+    return PipelineSchedule(schedule.name, schedule.num_stages, schedule.num_microbatches,
+                            tuple(stages))
+
+
 _BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 
@@ -218,6 +235,9 @@ def validate(schedule: PipelineSchedule) -> None:
             raise ValueError(f"stage {s}: the action list must end with STEP")
         if sum(a.kind is ActionKind.STEP for a in actions) != 1:
             raise ValueError(f"stage {s}: exactly one STEP expected")
+        num_ckpt = sum(a.kind is ActionKind.CHECKPOINT for a in actions)
+        if num_ckpt > 1 or (num_ckpt and actions[-2].kind is not ActionKind.CHECKPOINT):
+            raise ValueError(f"stage {s}: at most one CHECKPOINT, directly before STEP")
         done_forward: set[int | None] = set()
         done_backward: set[int | None] = set()
         for i, a in enumerate(actions):

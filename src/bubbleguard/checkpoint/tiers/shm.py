@@ -391,7 +391,7 @@ class MemoryTier(Tier):
             metadata=a.metadata,
         )
         assert len(record.checksums) == a.layout.num_chunks
-        atomic_write_json(self._record_path(a.slot), record.to_json())
+        atomic_write_json(self._record_path(a.slot), record.to_json(), compact=True)
         with self._cond:
             self._records[a.slot] = record
             self._active = None

@@ -1,0 +1,332 @@
+"""The checkpointer a training loop uses: snapshot every ``every`` steps, persist every ``persist_every``.
+
+It plugs into a pipeline job as its step hooks (``run_one`` / ``before_step`` / ``after_step``) and
+owns the tiers. Which work runs where depends on the mode (a :class:`SnapshotStrategy`):
+
+* ``bubble`` (ours): after optimizer step k the state is captured by reference; its chunks are
+  copied into node-local shared memory while the stage waits on receives during iteration k+1;
+  what is left is copied at the ``CHECKPOINT`` action just before step k+1. Every
+  ``persist_every`` steps a background thread writes the snapshot to the durable tier (DCP).
+* ``none`` and the baselines in :mod:`bubbleguard.checkpoint.baselines`, measured in the same
+  harness with the same frequency flags.
+
+Call order, every rank::
+
+    ckpt = Checkpointer(job, CheckpointConfig(ckpt_dir=..., mode="bubble"),
+                        data_state=batches.state_dict)   # collective: creates the persist group
+    start = ckpt.resume(batches.load_state_dict)         # collective; 0 on a fresh start
+    for step in range(start + 1, num_steps + 1):
+        job.step(inputs, targets)                        # the hooks run inside
+    ckpt.close()                                         # collective: final persist, cleanup
+
+The memory tier's snapshots of a rank are only readable on its node; a checkpoint taken with a
+different layout (stages x replicas) is restored from the durable tier, which reshards by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from bubbleguard.checkpoint.copier import SnapshotCopier
+from bubbleguard.checkpoint.errors import IncompleteCheckpointError
+from bubbleguard.checkpoint.layout import DEFAULT_CHUNK_BYTES
+from bubbleguard.checkpoint.manifest import agree_newest_step
+from bubbleguard.checkpoint.persist import BackgroundPersister
+from bubbleguard.checkpoint.state import StageState, capture_state, restore_state, stage_selector
+from bubbleguard.checkpoint.tiers.durable import DurableTier
+from bubbleguard.checkpoint.tiers.shm import MemoryTier
+
+__all__ = [
+    "CHECKPOINT_MODES",
+    "CheckpointConfig",
+    "Checkpointer",
+    "ResumeInfo",
+    "SnapshotStrategy",
+    "job_id_for",
+]
+
+CHECKPOINT_MODES: tuple[str, ...] = ("none", "sync", "background", "dcp-async", "bubble")
+
+
+class CheckpointableJob(Protocol):
+    """What the checkpointer needs of a job (a :class:`bubbleguard.pipeline.PipelineJob`)."""
+
+    stage: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    rank: int
+    step_count: int
+
+    def attach_hooks(self, hooks: Any) -> None:
+        """Install ``run_one``/``before_step``/``after_step``."""
+        ...
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """How often and where to checkpoint.
+
+    Attributes:
+        mode: one of :data:`CHECKPOINT_MODES`.
+        ckpt_dir: durable root (local path or fsspec URL); also names the memory-tier job.
+        every: snapshot every this many steps.
+        persist_every: write a durable checkpoint every this many steps (0: only at close).
+        keep_last: durable checkpoints to keep.
+        job_id: memory-tier job name; default derived from ``ckpt_dir``.
+        chunk_bytes: snapshot chunk size (the most a copy can overrun a bubble).
+        shm_root: parent of the memory tier (default ``/dev/shm``).
+    """
+
+    mode: str = "bubble"
+    ckpt_dir: str = ""
+    every: int = 1
+    persist_every: int = 10
+    keep_last: int = 3
+    job_id: str | None = None
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    shm_root: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in CHECKPOINT_MODES:
+            raise ValueError(f"unknown checkpoint mode {self.mode!r}; choose one of "
+                             f"{', '.join(CHECKPOINT_MODES)}")
+        if self.every < 1:
+            raise ValueError(f"--ckpt-every must be >= 1, got {self.every}")
+        if self.persist_every < 0:
+            raise ValueError(f"--persist-every must be >= 0 (0: only at the end), got "
+                             f"{self.persist_every}")
+        if self.keep_last < 1:
+            raise ValueError(f"--keep-last must be >= 1, got {self.keep_last}")
+        if self.mode != "none" and not self.ckpt_dir:
+            raise ValueError(f"checkpoint mode {self.mode!r} needs --ckpt-dir")
+
+
+def job_id_for(ckpt_dir: str) -> str:
+    """A memory-tier job name that is the same for every run writing to ``ckpt_dir``."""
+    where = ckpt_dir if "://" in ckpt_dir else os.path.abspath(ckpt_dir)
+    return "job-" + hashlib.sha256(where.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ResumeInfo:
+    """Where a resume came from: ``tier`` is ``"memory"``, ``"durable"`` or ``"none"``."""
+
+    step: int
+    tier: str
+
+
+class SnapshotStrategy(ABC):
+    """When and how a mode copies state. Called on the training thread, in the runtime's order.
+
+    ``after_step(k)`` right after optimizer step k; ``run_one()`` repeatedly inside waits of
+    iteration k+1; ``before_step()`` just before optimizer step k+1; ``close()`` once at the end.
+    """
+
+    name: str = ""
+
+    def run_one(self) -> bool:
+        """Do one unit of bubble work; False when there is none (the default)."""
+        return False
+
+    @abstractmethod
+    def after_step(self, step: int) -> None:
+        """Optimizer step ``step`` just finished."""
+
+    def before_step(self) -> None:  # noqa: B027 -- optional hook, nothing to finish by default
+        """The optimizer is about to change the state (default: nothing to finish)."""
+
+    def close(self) -> None:  # noqa: B027 -- optional hook
+        """Finish outstanding work (all ranks)."""
+
+
+class Checkpointer:
+    """Checkpoints a pipeline job (see the module docstring for the call order).
+
+    Args:
+        job: the job whose stage and optimizer are checkpointed; its hooks are set.
+        config: what, how often, where.
+        data_state: returns the data cursor (JSON-able) positioned at the next batch.
+        scheduler: an LR scheduler to save and restore, or None.
+        strategy_factory: builds the strategy for ``config.mode`` (default: the built-in ones).
+
+    Raises:
+        ValueError: a bad configuration (names the problem).
+    """
+
+    def __init__(self, job: CheckpointableJob, config: CheckpointConfig, *,
+                 data_state: Callable[[], Mapping[str, Any]] | None = None,
+                 scheduler: Any | None = None) -> None:
+        self.job = job
+        self.config = config
+        self.data_state = data_state or dict
+        self.scheduler = scheduler
+        self.rank = job.rank
+        self.num_ranks = dist.get_world_size() if dist.is_initialized() else 1
+        self.stats: dict[str, float] = {}
+        self.memory: MemoryTier | None = None
+        self.durable: DurableTier | None = None
+        self.strategy: SnapshotStrategy | None = None
+        if config.mode == "none":
+            return
+        # Collective, same order on every rank: the background persist's own group.
+        persist_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.durable = DurableTier(config.ckpt_dir, process_group=persist_group,
+                                   keep_last=config.keep_last)
+        self.memory = MemoryTier(config.job_id or job_id_for(config.ckpt_dir), self.rank,
+                                 num_ranks=self.num_ranks, root=config.shm_root,
+                                 chunk_bytes=config.chunk_bytes)
+        self.strategy = self._make_strategy()
+        job.attach_hooks(self)
+
+    def _make_strategy(self) -> SnapshotStrategy:
+        if self.config.mode == "bubble":
+            return BubbleStrategy(self)
+        from bubbleguard.checkpoint.baselines import make_baseline
+
+        return make_baseline(self)
+
+    # ------------------------------------------------------------- state
+
+    def layout_tag(self) -> dict[str, int]:
+        """Who wrote a snapshot: only the same (rank, world size) may reuse it from memory."""
+        return {"rank": self.rank, "num_ranks": self.num_ranks}
+
+    def capture(self, step: int) -> StageState:
+        """The job's state after optimizer step ``step`` (tensors by reference)."""
+        return capture_state(self.job.stage, self.job.optimizer, self.scheduler, step=step,
+                             data_cursor={"data": dict(self.data_state()),
+                                          "layout": self.layout_tag()})
+
+    # ------------------------------------------------------------- StepHooks
+
+    def run_one(self) -> bool:
+        """Bubble work of the strategy (see :class:`bubbleguard.pipeline.runtime.StepHooks`)."""
+        return self.strategy.run_one() if self.strategy else False
+
+    def before_step(self) -> None:
+        """Finish the snapshot in flight before the optimizer changes the state."""
+        if self.strategy:
+            self.strategy.before_step()
+
+    def after_step(self, step: int) -> None:
+        """Optimizer step ``step`` finished: snapshot it if due."""
+        if self.strategy:
+            self.strategy.after_step(step)
+
+    # ------------------------------------------------------------- resume / close
+
+    def resume(self, load_data_state: Callable[[Mapping[str, Any]], None] | None = None,
+               ) -> ResumeInfo:
+        """Restore the newest checkpoint every rank holds: memory tier first, then durable.
+
+        Collective (all ranks). Returns step 0 and tier ``"none"`` on a fresh start.
+
+        Raises:
+            bubbleguard.checkpoint.errors.StateMismatchError: the checkpoint is of a different
+                model (names the missing and unexpected parameters).
+        """
+        if self.memory is None or self.durable is None:
+            return ResumeInfo(0, "none")
+        mine = [r.step for r in self.memory.records()
+                if r.metadata.get("data_cursor", {}).get("layout") == self.layout_tag()]
+        valid = set(self.memory.valid_steps())
+        step = agree_newest_step([s for s in mine if s in valid])
+        tier = "memory"
+        if step is None:
+            latest = self.durable.latest()
+            step = agree_newest_step([latest] if latest is not None else [])
+            tier = "durable"
+        if step is None:
+            return ResumeInfo(0, "none")
+        if tier == "memory":
+            state = self.memory.read(step)
+        else:
+            state = self.durable.read(step, select=stage_selector(self.job.stage),
+                                      rank=self.rank)
+        result = restore_state(state, self.job.stage, self.job.optimizer, self.scheduler)
+        if load_data_state is not None:
+            load_data_state(result.data_cursor["data"])
+        self.job.step_count = step
+        return ResumeInfo(step, tier)
+
+    def close(self) -> None:
+        """Finish the snapshot in flight, persist the newest step, wait (all ranks)."""
+        if self.strategy is not None:
+            self.strategy.close()
+
+
+class BubbleStrategy(SnapshotStrategy):
+    """Ours: chunk copies inside the bubbles, the rest before the step, persist in background."""
+
+    name = "bubble"
+
+    def __init__(self, owner: Checkpointer) -> None:
+        assert owner.memory is not None and owner.durable is not None
+        self.owner = owner
+        self.memory = owner.memory
+        self.copier = SnapshotCopier(owner.memory)
+        self.persister = BackgroundPersister(owner.memory, owner.durable)
+        self.active: int | None = None
+        self.finished: int | None = None
+        self.persisted: int | None = None
+        self.to_commit: list[int] = []
+        # The commit marker is written by a process that sees every rank's files: on one node.
+        self.commits = owner.rank == 0 and os.environ.get(
+            "LOCAL_WORLD_SIZE", str(owner.num_ranks)) == str(owner.num_ranks)
+
+    def after_step(self, step: int) -> None:
+        self.persister.raise_if_failed()
+        if step % self.owner.config.every == 0:
+            self.copier.start(self.owner.capture(step))
+            self.active = step
+
+    def run_one(self) -> bool:
+        if self.copier.run_one():
+            return True
+        if self.commits and self.to_commit:
+            self._try_commit()
+        return False
+
+    def _try_commit(self) -> None:
+        while self.to_commit:
+            try:
+                self.memory.commit(self.to_commit[0])
+            except IncompleteCheckpointError:
+                return  # another rank is not done yet; try again in a later bubble
+            self.to_commit.pop(0)
+
+    def before_step(self) -> None:
+        if self.active is None:
+            return
+        report = self.copier.finish()
+        stats = self.owner.stats
+        stats["ckpt_chunks_in_bubbles"] = report.num_chunks_in_bubbles
+        stats["ckpt_chunks_blocking"] = report.num_chunks_blocking
+        self.finished, self.active = self.active, None
+        self.to_commit.append(self.finished)
+        every = self.owner.config.persist_every
+        if every and self.finished % every == 0:
+            self.persister.submit(self.finished)
+            self.persisted = self.finished
+
+    def close(self) -> None:
+        self.before_step()  # the snapshot of the last step, if one is in flight
+        if self.commits:
+            self._try_commit()
+        if self.finished is not None and self.persisted != self.finished:
+            self.persister.submit(self.finished)
+        results = self.persister.close()
+        if results and results[-1].persisted and results[-1].step == self.finished:
+            # The newest step is durable, so the shared memory can go; a later --resume reads
+            # the durable tier.
+            self.memory.cleanup()
+        else:
+            # Keep the snapshots: they may be the only copy of the newest state.
+            self.memory.close()
