@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from bubbleguard.checkpoint.checkpointer import CheckpointConfig, Checkpointer, ResumeInfo
+from bubbleguard.checkpoint.storage import check_checkpoint_dir
 from bubbleguard.data import TokenBatches, load_corpus
 from bubbleguard.elastic.faults import parse_fault
 from bubbleguard.elastic.launcher import launch_local
@@ -116,7 +117,9 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
-        self.checkpoint_config  # noqa: B018 -- validates the checkpoint options
+        if self.ckpt != "none":
+            self.checkpoint_config  # noqa: B018 -- validates the checkpoint options
+            check_checkpoint_dir(self.ckpt_dir, resume=self.resume)
         if self.fault is not None:
             fault = parse_fault(self.fault)
             if fault.rank >= self.world_size:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -228,3 +230,14 @@ def train_with_snapshots_then_die(root: str, kill_at: int) -> None:
             tier.finish()  # the rest, just before optimizer.step()
         train_step(model, opt, sched, step)
         tier.begin(capture_state(model, opt, sched, step=step, data_cursor={"batch": step}))
+
+
+def mount_tmpfs(path: Path, options: str) -> bool:
+    """Create ``path`` and, as root, mount a tmpfs with ``options`` on it; False if not mounted."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        return False
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
+    )
+    return r.returncode == 0

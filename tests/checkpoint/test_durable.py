@@ -21,6 +21,7 @@ from tests.checkpoint.ckpt_testlib import (
     assert_same_state,
     assert_same_tensors,
     make_training,
+    mount_tmpfs,
     run_ranks,
     save_two_stages,
     seed_all,
@@ -139,20 +140,10 @@ def test_root_that_is_a_file_and_no_checkpoint(tmp_path: Path) -> None:
         DurableTier(tmp_path / "empty").read()
 
 
-def _mount_tmpfs(path: Path, options: str) -> bool:
-    path.mkdir()
-    if os.geteuid() != 0:
-        return False
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
-    )
-    return r.returncode == 0
-
-
 @pytest.mark.timeout(60)
 def test_full_disk_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     small = tmp_path / "small"
-    if not _mount_tmpfs(small, "size=1m"):
+    if not mount_tmpfs(small, "size=1m"):
         pytest.skip("needs root to mount a small tmpfs (a full disk cannot be faked without mocks)")
     try:
         model, opt, sched = make_training(dim=64)  # ~400 KB of state per checkpoint
@@ -175,7 +166,7 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_read_only_directory(tmp_path: Path) -> None:
     ro = tmp_path / "ro"
-    mounted = _mount_tmpfs(ro, "ro,size=1m")
+    mounted = mount_tmpfs(ro, "ro,size=1m")
     if not mounted:
         if os.geteuid() == 0:
             pytest.skip("root ignores permission bits and cannot mount a read-only tmpfs here")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -224,9 +225,13 @@ class Checkpointer:
 
     def resume(self, load_data_state: Callable[[Mapping[str, Any]], None] | None = None,
                ) -> ResumeInfo:
-        """Restore the newest checkpoint every rank holds: memory tier first, then durable.
+        """Restore the newest checkpoint every rank holds, from whichever tier has it.
 
-        Collective (all ranks). Returns step 0 and tier ``"none"`` on a fresh start.
+        Looks in the memory tier, the ``sync`` mode's per-rank ``torch.save`` files and the
+        durable tier; the newest step every rank holds wins, and on a tie the faster tier
+        (memory, then files, then durable). Collective (all ranks, one agreement per tier).
+        Returns step 0 and tier ``"none"`` on a fresh start; the tier is ``"memory"``,
+        ``"torchsave"`` or ``"durable"`` otherwise.
 
         Raises:
             bubbleguard.checkpoint.errors.StateMismatchError: the checkpoint is of a different
@@ -234,19 +239,31 @@ class Checkpointer:
         """
         if self.memory is None or self.durable is None:
             return ResumeInfo(0, "none")
+        # Imported here: baselines builds on this module.
+        from bubbleguard.checkpoint.baselines import TorchSaveFiles
+
         mine = [r.step for r in self.memory.records()
                 if r.metadata.get("data_cursor", {}).get("layout") == self.layout_tag()]
         valid = set(self.memory.valid_steps())
-        step = agree_newest_step([s for s in mine if s in valid])
-        tier = "memory"
-        if step is None:
-            latest = self.durable.latest()
-            step = agree_newest_step([latest] if latest is not None else [])
-            tier = "durable"
-        if step is None:
+        files = (None if "://" in self.config.ckpt_dir
+                 else TorchSaveFiles(self.config.ckpt_dir, self.rank, self.num_ranks,
+                                     create=False))
+        latest = self.durable.latest()
+        # Every rank runs the three agreements, in this order, whatever it holds.
+        candidates = [
+            ("memory", agree_newest_step([s for s in mine if s in valid])),
+            ("torchsave", agree_newest_step(files.valid_steps() if files else [])),
+            ("durable", agree_newest_step([latest] if latest is not None else [])),
+        ]
+        found = [(tier, step) for tier, step in candidates if step is not None]
+        if not found:
             return ResumeInfo(0, "none")
+        tier, step = max(found, key=lambda c: c[1])  # the first of equals: the faster tier
         if tier == "memory":
             state = self.memory.read(step)
+        elif tier == "torchsave":
+            assert files is not None
+            state = files.read(step)
         else:
             state = self.durable.read(step, select=stage_selector(self.job.stage),
                                       rank=self.rank)
@@ -324,9 +341,11 @@ class BubbleStrategy(SnapshotStrategy):
             self.persister.submit(self.finished)
         results = self.persister.close()
         if results and results[-1].persisted and results[-1].step == self.finished:
-            # The newest step is durable, so the shared memory can go; a later --resume reads
-            # the durable tier.
-            self.memory.cleanup()
+            # The newest step is durable, so this rank's shared memory can go; a later --resume
+            # reads the durable tier. The job directory stays: another rank may still be
+            # writing the commit marker into it.
+            self.memory.close()
+            shutil.rmtree(self.memory.rank_dir, ignore_errors=True)
         else:
             # Keep the snapshots: they may be the only copy of the newest state.
             self.memory.close()

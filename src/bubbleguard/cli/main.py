@@ -2,6 +2,7 @@
 
     bubbleguard demo                      a short pipeline-parallel run with a trace and a bubble map
     bubbleguard train --stages 2 ...      launch a training run on this machine (torchrun machinery)
+    bubbleguard inspect DIR               list the checkpoints of DIR on every tier, with validity
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from bubbleguard.checkpoint.checkpointer import CHECKPOINT_MODES
+from bubbleguard.checkpoint.checkpointer import CHECKPOINT_MODES, job_id_for
+from bubbleguard.checkpoint.inspect import describe_checkpoints
+from bubbleguard.checkpoint.tiers.shm import shm_job_dir
 from bubbleguard.elastic.launcher import LaunchError
 from bubbleguard.models import MODEL_NAMES
 from bubbleguard.pipeline.schedules import SCHEDULE_NAMES, build_schedule
@@ -81,7 +84,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="bubbleguard-demo",
                       help="directory for the trace, metrics and bubble map")
     demo.add_argument("--steps", type=int, default=DEMO.steps)
+    inspect = sub.add_parser("inspect", help="list checkpoints on every tier with validity")
+    inspect.add_argument("dir", help="the --ckpt-dir of a run (or a memory-tier job directory)")
+    inspect.add_argument("--json", action="store_true", help="print JSON records")
     return parser
+
+
+def run_inspect(ckpt_dir: str, as_json: bool) -> int:
+    """Print the durable checkpoints of ``ckpt_dir`` and the memory-tier snapshots of its job."""
+    records = list(describe_checkpoints(ckpt_dir))
+    job_dir = shm_job_dir(job_id_for(ckpt_dir))
+    if job_dir.is_dir() and any(job_dir.glob("rank*")):
+        records += describe_checkpoints(job_dir)
+    if as_json:
+        print(json.dumps([dataclasses.asdict(r) for r in records], indent=2))
+        return 0
+    if not records:
+        print(f"no checkpoints in {ckpt_dir} (memory tier: {job_dir})")
+        return 0
+    print(f"{'tier':<8} {'step':>8} {'size':>10} {'ranks':>5}  status")
+    for r in sorted(records, key=lambda r: (r.tier, r.step)):
+        status = ("valid, committed" if r.valid and r.committed else "valid" if r.valid
+                  else f"INVALID: {r.reason}")
+        ranks = "?" if r.num_ranks is None else str(r.num_ranks)
+        print(f"{r.tier:<8} {r.step:>8} {r.size_bytes / 2**20:>8.1f}MB {ranks:>5}  {status}")
+    return 0
 
 
 DEMO = TrainConfig(model="gpt", stages=2, microbatches=4, batch_size=32, schedule="1f1b", steps=30,
@@ -136,13 +163,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return run_training(_config_from_args(args), args.run_dir)
+        if args.command == "inspect":
+            return run_inspect(args.dir, args.json)
         if args.command == "demo":
             out = Path(args.out)
             cfg = dataclasses.replace(DEMO, steps=args.steps, trace=str(out / "trace.json"),
                                       metrics=str(out / "metrics.jsonl"))
             (out / "metrics.jsonl").unlink(missing_ok=True)
             return run_training(cfg, str(out))
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # bad options or an unusable path: nothing started
         print(f"bubbleguard: error: {exc}", file=sys.stderr)
         return 2
     except LaunchError as exc:

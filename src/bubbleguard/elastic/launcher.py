@@ -63,6 +63,10 @@ def launch_local(entrypoint: Callable[..., T], args: tuple[Any, ...], num_ranks:
         local_addr="127.0.0.1",
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank))
+    # By default the ranks share the agent's rendezvous store across restarts, and a restarted
+    # group then reads the dead group's gloo addresses (stale keys: "connection refused"). With
+    # sharing off, rank 0 of every attempt hosts a fresh store on a fresh port.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as exc:
