@@ -23,6 +23,7 @@ from bubbleguard.elastic.launcher import LaunchError
 from bubbleguard.models import MODEL_NAMES
 from bubbleguard.pipeline.schedules import SCHEDULE_NAMES, build_schedule
 from bubbleguard.report.bubbles import compare_bubbles
+from bubbleguard.report.checkpoint import checkpoint_summary
 from bubbleguard.report.trace import write_chrome_trace
 from bubbleguard.train import TrainConfig, run_local
 
@@ -112,7 +113,8 @@ def run_inspect(ckpt_dir: str, as_json: bool) -> int:
 
 
 DEMO = TrainConfig(model="gpt", stages=2, microbatches=4, batch_size=32, schedule="1f1b", steps=30,
-                   model_options={"d_model": 128, "num_layers": 4})
+                   model_options={"d_model": 128, "num_layers": 4}, ckpt="bubble",
+                   ckpt_dir="bubbleguard-demo/ckpt", persist_every=10)
 
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -151,6 +153,9 @@ def run_training(cfg: TrainConfig, run_dir: str | None) -> int:
                 events, build_schedule(cfg.schedule, cfg.stages, cfg.microbatches))
             print(summary)
             (run_path / "bubbles.json").write_text(json.dumps(record, indent=2))
+            ckpt_summary = checkpoint_summary(events)
+            if ckpt_summary:
+                print(ckpt_summary)
     finally:
         if not keep:
             shutil.rmtree(run_path, ignore_errors=True)
@@ -168,8 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             out = Path(args.out)
             cfg = dataclasses.replace(DEMO, steps=args.steps, trace=str(out / "trace.json"),
-                                      metrics=str(out / "metrics.jsonl"))
+                                      metrics=str(out / "metrics.jsonl"),
+                                      ckpt_dir=str(out / "ckpt"))
             (out / "metrics.jsonl").unlink(missing_ok=True)
+            shutil.rmtree(out / "ckpt", ignore_errors=True)  # the demo starts fresh every time
             return run_training(cfg, str(out))
     except (ValueError, OSError) as exc:  # bad options or an unusable path: nothing started
         print(f"bubbleguard: error: {exc}", file=sys.stderr)
