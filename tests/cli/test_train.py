@@ -40,7 +40,8 @@ def test_two_stage_1f1b_run_writes_metrics_trace_and_bubbles_where_the_schedule_
     trace, metrics, run_dir = tmp_path / "t.json", tmp_path / "m.jsonl", tmp_path / "run"
     rc = main(["train", "--stages", "2", "--microbatches", "4", "--batch-size", "32", "--steps", "6",
                "--width", "128", "--trace", str(trace), "--metrics", str(metrics),
-               "--run-dir", str(run_dir), "--no-progress"])
+               "--run-dir", str(run_dir), "--no-progress", "--ckpt", "bubble", "--ckpt-dir",
+               str(tmp_path / "ckpt"), "--persist-every", "3"])
     assert rc == 0
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
@@ -52,6 +53,14 @@ def test_two_stage_1f1b_run_writes_metrics_trace_and_bubbles_where_the_schedule_
     assert names == {0: "rank 0 (stage 0, replica 0)", 1: "rank 1 (stage 1, replica 0)"}
     bubbles = {e["pid"] for e in events if e.get("cat") == "bubble" and e["dur"] > 0}
     assert bubbles == {0, 1}
+    # Checkpoint chunks are copied inside the idle windows, on both ranks.
+    for pid in (0, 1):
+        waits = [e for e in events if e["pid"] == pid and e.get("cat") == "bubble"]
+        chunks = [e for e in events if e["pid"] == pid and e["name"] == "ckpt chunk"]
+        assert chunks
+        assert all(any(w["ts"] <= c["ts"] and c["ts"] + c["dur"] <= w["ts"] + w["dur"] + 1e-3
+                       for w in waits) for c in chunks)
+    assert all("ckpt_blocking_s" in r for r in lines)
 
     record = json.loads((run_dir / "bubbles.json").read_text())
     for measured, predicted in zip(record["measured"]["stages"], record["predicted"]["stages"],
