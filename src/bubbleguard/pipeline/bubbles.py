@@ -23,6 +23,7 @@ __all__ = [
     "StageBubbles",
     "closed_form_bubble_fraction",
     "measure_bubbles",
+    "measure_stage_bubbles",
     "predict_bubbles",
     "stage_compute_times",
 ]
@@ -199,38 +200,50 @@ def stage_compute_times(
     return out
 
 
-def measure_bubbles(
-    events: Sequence[TimelineEvent], schedule: PipelineSchedule, skip_steps: int = 1,
-) -> BubbleMap:
-    """Average bubble map of the recorded steps after the first ``skip_steps``.
+def measure_stage_bubbles(
+    events: Sequence[TimelineEvent], schedule: PipelineSchedule, stage: int,
+    skip_steps: int = 1,
+) -> StageBubbles:
+    """Average idle windows of one stage (replica 0) over the recorded steps after ``skip_steps``.
 
-    Only replica 0's ranks are used (replicas of a stage run the same list). The idle events
-    must carry the action index of the receive they waited for, as the runtime records them.
+    The idle events must carry the action index of the receive they waited for, as the runtime
+    records them. A rank can call this on its own timeline alone.
 
     Raises:
         ValueError: fewer than two recorded steps remain after skipping (an iteration's start is
             the end of the previous step).
     """
-    p = schedule.num_stages
-    stages = []
-    for s in range(p):
-        mine = [e for e in events if e.stage == s and e.replica == 0]
-        step_end = {e.step: e.end_s for e in mine if e.kind == EventKind.STEP}
-        steps = [k for k in sorted(step_end) if k > skip_steps and k - 1 in step_end]
-        if not steps:
-            raise ValueError(f"stage {s}: need recorded steps after step {skip_steps} "
-                             f"(have {sorted(step_end)})")
-        per_window: dict[int, list[tuple[float, float]]] = defaultdict(list)
-        for e in mine:
-            if e.kind == EventKind.IDLE and e.step in steps:
-                per_window[e.action_index].append((e.start_s - step_end[e.step - 1], e.duration_s))
-        actions = schedule.stages[s]
-        windows = []
-        for idx in sorted(per_window):
-            offs, durs = zip(*per_window[idx], strict=True)
-            # A window missing in some steps waited 0 there; divide by all steps, not by hits.
-            windows.append(IdleWindow(idx, str(actions[idx]), _preceding(actions, idx),
-                                      statistics.fmean(offs), sum(durs) / len(steps)))
-        iteration = statistics.fmean(step_end[k] - step_end[k - 1] for k in steps)
-        stages.append(StageBubbles(s, iteration, tuple(windows)))
-    return BubbleMap(schedule.name, p, schedule.num_microbatches, tuple(stages))
+    mine = [e for e in events if e.stage == stage and e.replica == 0]
+    step_end = {e.step: e.end_s for e in mine if e.kind == EventKind.STEP}
+    steps = [k for k in sorted(step_end) if k > skip_steps and k - 1 in step_end]
+    if not steps:
+        raise ValueError(f"stage {stage}: need recorded steps after step {skip_steps} "
+                         f"(have {sorted(step_end)})")
+    per_window: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for e in mine:
+        if e.kind == EventKind.IDLE and e.step in steps:
+            per_window[e.action_index].append((e.start_s - step_end[e.step - 1], e.duration_s))
+    actions = schedule.stages[stage]
+    windows = []
+    for idx in sorted(per_window):
+        offs, durs = zip(*per_window[idx], strict=True)
+        # A window missing in some steps waited 0 there; divide by all steps, not by hits.
+        windows.append(IdleWindow(idx, str(actions[idx]), _preceding(actions, idx),
+                                  statistics.fmean(offs), sum(durs) / len(steps)))
+    iteration = statistics.fmean(step_end[k] - step_end[k - 1] for k in steps)
+    return StageBubbles(stage, iteration, tuple(windows))
+
+
+def measure_bubbles(
+    events: Sequence[TimelineEvent], schedule: PipelineSchedule, skip_steps: int = 1,
+) -> BubbleMap:
+    """Average bubble map of the recorded steps after the first ``skip_steps``, all stages.
+
+    Only replica 0's ranks are used (replicas of a stage run the same list).
+
+    Raises:
+        ValueError: a stage has fewer than two recorded steps after skipping.
+    """
+    stages = tuple(measure_stage_bubbles(events, schedule, s, skip_steps)
+                   for s in range(schedule.num_stages))
+    return BubbleMap(schedule.name, schedule.num_stages, schedule.num_microbatches, stages)
