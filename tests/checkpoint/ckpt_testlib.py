@@ -7,7 +7,8 @@ import os
 import random
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -241,3 +242,26 @@ def mount_tmpfs(path: Path, options: str) -> bool:
         ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
     )
     return r.returncode == 0
+
+
+@contextmanager
+def read_only_dir(path: Path) -> Iterator[Path]:
+    """A directory at ``path`` that this process cannot write to, for the ``with`` block.
+
+    As root (who ignores permission bits) a read-only tmpfs is mounted; otherwise the mode is
+    0555. Skips the test where neither works.
+    """
+    import pytest
+
+    mounted = mount_tmpfs(path, "ro,size=1m")
+    if not mounted:
+        if os.geteuid() == 0:
+            pytest.skip("root ignores permission bits and cannot mount a read-only tmpfs here")
+        path.chmod(0o555)
+    try:
+        yield path
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(path)], check=False)
+        else:
+            path.chmod(0o755)

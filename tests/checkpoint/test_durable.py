@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import os
 import subprocess
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from tests.checkpoint.ckpt_testlib import (
     assert_same_tensors,
     make_training,
     mount_tmpfs,
+    read_only_dir,
     run_ranks,
     save_two_stages,
     seed_all,
@@ -165,18 +165,7 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_read_only_directory(tmp_path: Path) -> None:
-    ro = tmp_path / "ro"
-    mounted = mount_tmpfs(ro, "ro,size=1m")
-    if not mounted:
-        if os.geteuid() == 0:
-            pytest.skip("root ignores permission bits and cannot mount a read-only tmpfs here")
-        ro.chmod(0o555)
-    try:
+    with read_only_dir(tmp_path / "ro") as ro:
         *_, state = trained_state(1)
         with pytest.raises(PermissionError, match=f"{ro} is not writable"):
             DurableTier(ro).save(state)
-    finally:
-        if mounted:
-            subprocess.run(["umount", str(ro)], check=False)
-        else:
-            ro.chmod(0o755)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ import pytest
 from bubbleguard.cli.main import main
 from bubbleguard.elastic.launcher import LaunchError
 from bubbleguard.train import TrainConfig, run_local
-from tests.checkpoint.ckpt_testlib import mount_tmpfs
+from tests.checkpoint.ckpt_testlib import read_only_dir
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -109,17 +107,6 @@ def test_resume_without_a_checkpoint_directory_is_refused(tmp_path: Path,
 
 def test_read_only_checkpoint_directory_is_refused(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    ro = tmp_path / "ro"
-    mounted = mount_tmpfs(ro, "ro,size=1m")
-    if not mounted:
-        if os.geteuid() == 0:
-            pytest.skip("root ignores permission bits and cannot mount a read-only tmpfs here")
-        ro.chmod(0o555)
-    try:
+    with read_only_dir(tmp_path / "ro") as ro:
         assert main(["train", "--ckpt", "bubble", "--ckpt-dir", str(ro)]) == 2
         assert f"checkpoint directory {ro} is not writable" in capsys.readouterr().err
-    finally:
-        if mounted:
-            subprocess.run(["umount", str(ro)], check=False)
-        else:
-            ro.chmod(0o755)
