@@ -3,6 +3,7 @@
     bubbleguard demo                      a short pipeline-parallel run with a trace and a bubble map
     bubbleguard train --stages 2 ...      launch a training run on this machine (torchrun machinery)
     bubbleguard inspect DIR               list the checkpoints of DIR on every tier, with validity
+    bubbleguard ps run | experiment       parameter server on Ray that trains through failures
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from bubbleguard.checkpoint.tiers.shm import shm_job_dir
 from bubbleguard.elastic.launcher import LaunchError
 from bubbleguard.models import MODEL_NAMES
 from bubbleguard.pipeline.schedules import SCHEDULE_NAMES, build_schedule
+from bubbleguard.ps.cli import add_ps_parser, run_ps_command
 from bubbleguard.report.bubbles import compare_bubbles
 from bubbleguard.report.checkpoint import checkpoint_summary
 from bubbleguard.report.trace import write_chrome_trace
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="bubbleguard-demo",
                       help="directory for the trace, metrics and bubble map")
     demo.add_argument("--steps", type=int, default=DEMO.steps)
+    add_ps_parser(sub)
     inspect = sub.add_parser("inspect", help="list checkpoints on every tier with validity")
     inspect.add_argument("dir", help="the --ckpt-dir of a run (or a memory-tier job directory)")
     inspect.add_argument("--json", action="store_true", help="print JSON records")
@@ -168,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return run_training(_config_from_args(args), args.run_dir)
+        if args.command == "ps":
+            return run_ps_command(args)
         if args.command == "inspect":
             return run_inspect(args.dir, args.json)
         if args.command == "demo":
