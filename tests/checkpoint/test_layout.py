@@ -7,9 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bubbleguard.checkpoint.checksum import checksum
 from bubbleguard.checkpoint.layout import (
     ChunkLayout,
     copy_chunk,
+    copy_chunk_checksummed,
     flat_bytes,
     tensors_from_region,
 )
@@ -102,3 +104,31 @@ def test_bad_arguments_are_named() -> None:
     obj["tensors"][0][3] = 8
     with pytest.raises(ValueError, match="tensor 'a' is inconsistent"):
         ChunkLayout.from_json(obj)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tensors=tensor_sets(), chunk_units=st.integers(1, 8), block_units=st.integers(1, 3),
+       algorithm=st.sampled_from(["sum64", "crc32"]))
+def test_fused_copy_and_checksum_equal_copy_then_checksum(
+        tensors, chunk_units, block_units, algorithm) -> None:
+    layout = ChunkLayout.build(tensors, chunk_bytes=64 * chunk_units)
+    plain = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    fused = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    sources = {k: flat_bytes(v) for k, v in tensors.items()}
+    sources_np = {k: v.numpy() for k, v in sources.items()}
+    for cid in range(layout.num_chunks):
+        n = copy_chunk(layout, cid, sources, plain)
+        start, end = layout.chunk_range(cid)
+        assert copy_chunk_checksummed(layout, cid, sources_np, fused.numpy(), algorithm,
+                                      block_bytes=64 * block_units) == (
+            n, checksum(plain[start:end], algorithm))
+        blocks = layout.blocks(cid, 64 * block_units)
+        assert blocks[0].start == start and blocks[-1].end == end
+        assert all(a.end == b.start for a, b in zip(blocks, blocks[1:], strict=False))
+    assert torch.equal(plain, fused)
+
+
+def test_block_size_must_be_a_multiple_of_64() -> None:
+    layout = ChunkLayout.build({"w": torch.zeros(100)}, chunk_bytes=256)
+    with pytest.raises(ValueError, match="block_bytes must be a positive multiple of 64, got 100"):
+        layout.blocks(0, 100)

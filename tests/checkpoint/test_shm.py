@@ -188,3 +188,4 @@ def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no complete memory-tier snapshot"):
         t.read_latest()
     assert torch.get_num_threads() >= 1
+

@@ -115,3 +115,39 @@ def test_optimizer_parameter_outside_module_is_rejected() -> None:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(ValueError, match="not a parameter of the stage module"):
         capture_state(model, opt, step=0)
+
+
+def test_begin_capture_takes_at_the_boundary_what_may_change_before_the_next_step() -> None:
+    import random
+
+    import numpy as np
+
+    from bubbleguard.checkpoint.state import begin_capture
+
+    model, opt, sched = _trained(2)
+    expected = capture_state(model, opt, sched, step=2, data_cursor={"batch": 2}).clone()
+    cursor = {"batch": 2}
+    pending = begin_capture(model, opt, sched, step=2, data_cursor=cursor)
+    # What happens between the boundary and complete(): a forward pass changes a buffer, the
+    # RNGs advance, the scheduler moves the learning rate, the data cursor moves on.
+    with torch.no_grad():
+        model.blocks["0"].scale.mul_(2)
+    torch.rand(3), random.random(), np.random.rand()
+    sched.step()
+    cursor["batch"] = 3
+    got = pending.complete()
+    assert_same_tensors(dict(got.tensors), dict(expected.tensors))
+    assert_same_tensors(dict(got.local_tensors), dict(expected.local_tensors))
+    assert got.metadata == expected.metadata
+
+
+def test_begin_capture_references_parameters_and_optimizer_state() -> None:
+    from bubbleguard.checkpoint.state import begin_capture
+
+    model, opt, sched = _trained(1)
+    state = begin_capture(model, opt, sched, step=1).complete()
+    w = model.blocks["0"].lin.weight
+    assert state.tensors["blocks.0.lin.weight"].data_ptr() == w.data_ptr()
+    assert state.tensors["optim.blocks.0.lin.weight.exp_avg"].data_ptr() == (
+        opt.state[w]["exp_avg"].data_ptr())
+    assert not state.tensors["blocks.0.lin.weight"].requires_grad

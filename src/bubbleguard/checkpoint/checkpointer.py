@@ -25,9 +25,11 @@ different layout (stages x replicas) is restored from the durable tier, which re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -41,7 +43,13 @@ from bubbleguard.checkpoint.errors import IncompleteCheckpointError
 from bubbleguard.checkpoint.layout import DEFAULT_CHUNK_BYTES
 from bubbleguard.checkpoint.manifest import agree_newest_step
 from bubbleguard.checkpoint.persist import BackgroundPersister
-from bubbleguard.checkpoint.state import StageState, capture_state, restore_state, stage_selector
+from bubbleguard.checkpoint.state import (
+    StageState,
+    begin_capture,
+    capture_state,
+    restore_state,
+    stage_selector,
+)
 from bubbleguard.checkpoint.tiers.durable import DurableTier
 from bubbleguard.checkpoint.tiers.shm import MemoryTier
 
@@ -280,7 +288,23 @@ class Checkpointer:
 
 
 class BubbleStrategy(SnapshotStrategy):
-    """Ours: chunk copies inside the bubbles, the rest before the step, persist in background."""
+    """Ours: chunk copies inside the bubbles, the rest before the step, persist in background.
+
+    The step boundary does only what cannot wait; everything else runs in bubbles:
+
+    * ``after_step(k)``: :func:`~bubbleguard.checkpoint.state.begin_capture` -- buffers, RNG
+      states, data cursor, hyperparameters (~0.1 ms). Parameters and optimizer state do not
+      change until the next step, so naming them, building the metadata and
+      ``MemoryTier.begin`` wait for the first ``run_one``.
+    * ``run_one()`` in the waits of iteration k+1: the deferred capture + begin of k, then one
+      chunk copy + checksum per call, then the record of k (the snapshot is complete), its
+      persist, and on rank 0 the commit markers.
+    * ``before_step()``: only if the bubbles did not hold it all: copies the rest and writes
+      the record (blocking, counted in ``ckpt_blocking_s``).
+
+    The persist thread runs at the lowest CPU priority, so that it, too, mostly uses time the
+    training thread leaves free.
+    """
 
     name = "bubble"
 
@@ -290,6 +314,11 @@ class BubbleStrategy(SnapshotStrategy):
         self.memory = owner.memory
         self.copier = SnapshotCopier(owner.memory)
         self.persister = BackgroundPersister(owner.memory, owner.durable)
+        # The persist (reading a snapshot back, DCP serialisation, writes) is CPU work that
+        # would compete with training where ranks fill the cores; at the lowest priority it
+        # runs mostly in the time the training thread leaves free, i.e. in the bubbles.
+        # (BackgroundPersister has no public handle on its thread yet, hence _thread.)
+        self._run_when_idle(self.persister._thread)
         self.active: int | None = None
         self.finished: int | None = None
         self.persisted: int | None = None
@@ -298,40 +327,73 @@ class BubbleStrategy(SnapshotStrategy):
         self.commits = owner.rank == 0 and os.environ.get(
             "LOCAL_WORLD_SIZE", str(owner.num_ranks)) == str(owner.num_ranks)
 
+    @staticmethod
+    def _run_when_idle(thread: threading.Thread) -> None:
+        """Lower ``thread`` to the lowest CPU priority (nice 19; Linux sets it per thread).
+
+        It then gets a core mostly when the training thread waits (bubbles, receives) and still
+        progresses when other processes keep the cores busy (``SCHED_IDLE`` could starve it).
+        Without the permission, or off Linux, the thread keeps its priority.
+        """
+        tid = thread.native_id
+        if tid is None or not hasattr(os, "setpriority"):
+            return
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+
     def after_step(self, step: int) -> None:
         self.persister.raise_if_failed()
         if step % self.owner.config.every == 0:
-            self.copier.start(self.owner.capture(step))
+            owner = self.owner
+            # What Checkpointer.capture takes, split at the step boundary (see the class doc).
+            pending = begin_capture(owner.job.stage, owner.job.optimizer, owner.scheduler,
+                                    step=step,
+                                    data_cursor={"data": dict(owner.data_state()),
+                                                 "layout": owner.layout_tag()})
+            self.copier.start(pending.complete)
             self.active = step
 
     def run_one(self) -> bool:
         if self.copier.run_one():
+            self._on_complete()
             return True
         if self.commits and self.to_commit:
-            self._try_commit()
+            return self._try_commit()
         return False
 
-    def _try_commit(self) -> None:
+    def _on_complete(self) -> None:
+        """Once per completed snapshot: queue its commit and, if due, its persist."""
+        report = self.copier.take_report()
+        if report is None:
+            return
+        stats = self.owner.stats
+        stats["ckpt_chunks_in_bubbles"] = report.num_chunks_in_bubbles
+        stats["ckpt_chunks_blocking"] = report.num_chunks_blocking
+        step = report.record.step
+        self.finished, self.active = step, None
+        self.to_commit.append(step)
+        every = self.owner.config.persist_every
+        if every and step % every == 0:
+            self.persister.submit(step)
+            self.persisted = step
+
+    def _try_commit(self) -> bool:
+        """Commit what every rank has recorded; True if a marker was written."""
+        wrote = False
         while self.to_commit:
             try:
                 self.memory.commit(self.to_commit[0])
             except IncompleteCheckpointError:
-                return  # another rank is not done yet; try again in a later bubble
+                break  # another rank is not done yet; try again in a later bubble
             self.to_commit.pop(0)
+            wrote = True
+        return wrote
 
     def before_step(self) -> None:
         if self.active is None:
-            return
-        report = self.copier.finish()
-        stats = self.owner.stats
-        stats["ckpt_chunks_in_bubbles"] = report.num_chunks_in_bubbles
-        stats["ckpt_chunks_blocking"] = report.num_chunks_blocking
-        self.finished, self.active = self.active, None
-        self.to_commit.append(self.finished)
-        every = self.owner.config.persist_every
-        if every and self.finished % every == 0:
-            self.persister.submit(self.finished)
-            self.persisted = self.finished
+            return  # nothing in flight, or the bubbles completed it
+        self.copier.finish()
+        self._on_complete()
 
     def close(self) -> None:
         self.before_step()  # the snapshot of the last step, if one is in flight

@@ -6,18 +6,24 @@ structurally, so this module does not import the pipeline. Call order on each ra
     copier = SnapshotCopier(memory_tier)
     # after optimizer.step() k:
     copier.start(capture_state(stage, opt, sched, step=k, data_cursor=cursor))
+    #   or, to leave the step boundary at once: copier.start(begin_capture(...).complete)
     # iteration k+1: the runtime calls copier.run_one() while it waits on a receive
     # just before optimizer.step() k+1:
     report = copier.finish()     # copies what is left (blocking), writes the record
     # report.blocking_s -> metrics (ckpt_blocking_s); copier.bandwidth_bytes_per_s -> planner
 
-Chunks are copied in id order. One chunk is the most a copy can overrun the end of a wait, so
-``chunk_bytes`` bounds the delay a copy can add (4 MiB at ~15 GB/s is ~0.3 ms).
+Given a callable, ``start`` only stores it: the first ``run_one`` (or ``finish``) calls it and
+begins the snapshot, so that capture and ``MemoryTier.begin`` run in a bubble rather than at the
+step boundary. Chunks are copied in id order; the ``run_one`` after the last chunk writes the
+record, so when the bubbles hold the whole snapshot it is complete before ``finish``, which then
+returns the report at once. One chunk is the most a copy can overrun the end of a wait, so
+``chunk_bytes`` bounds the delay a copy can add (4 MiB at ~10 GB/s is ~0.4 ms).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from bubbleguard.checkpoint.layout import ChunkLayout
@@ -33,7 +39,7 @@ class CopyReport:
         record: the memory tier's record of the finished snapshot.
         num_chunks_in_bubbles: chunks copied by ``run_one`` (inside waits).
         num_chunks_blocking: chunks ``finish`` had to copy.
-        bubble_s: time spent copying inside waits.
+        bubble_s: time spent in ``run_one`` on this snapshot (capture, begin, copies, record).
         blocking_s: time ``finish`` took (copies, checksums, record): checkpoint overhead.
     """
 
@@ -50,43 +56,97 @@ class SnapshotCopier:
     def __init__(self, tier: MemoryTier) -> None:
         self.tier = tier
         self._pending: list[int] = []
+        self._deferred: Callable[[], StageState] | None = None
+        self._report: CopyReport | None = None
+        self._delivered = False
         self._in_bubbles = 0
         self._bubble_s = 0.0
         self._copied_bytes = 0
         self._copy_s = 0.0
 
-    def start(self, state: StageState) -> ChunkLayout:
-        """Begin the snapshot of ``state.step`` (right after ``optimizer.step()``)."""
+    def start(self, state: StageState | Callable[[], StageState]) -> ChunkLayout | None:
+        """Begin the snapshot (right after ``optimizer.step()``).
+
+        Args:
+            state: the state, or a callable that returns it (called by the first ``run_one``,
+                or by ``finish`` if no bubble comes first).
+
+        Returns:
+            The layout, or None when the begin is deferred.
+        """
+        self._in_bubbles = 0
+        self._bubble_s = 0.0
+        self._report = None
+        self._delivered = False
+        if callable(state):
+            self._deferred = state
+            self._pending = []
+            return None
+        self._deferred = None
+        return self._begin(state)
+
+    def _begin(self, state: StageState) -> ChunkLayout:
         layout = self.tier.begin(state)
         self._pending = list(range(layout.num_chunks))
         self._pending.reverse()  # pop() from the end yields ids in ascending order
-        self._in_bubbles = 0
-        self._bubble_s = 0.0
         return layout
 
     def run_one(self) -> bool:
-        """Copy the next chunk; False when there is nothing (left) to copy."""
-        if not self._pending:
-            return False
-        chunk_id = self._pending.pop()
+        """Do the next unit of the snapshot: begin, one chunk, or the record at the end.
+
+        Returns:
+            False when there is nothing (left) to do.
+        """
         t0 = time.perf_counter()
-        n = self.tier.copy_chunk(chunk_id)
-        dt = time.perf_counter() - t0
-        self._bubble_s += dt
-        self._in_bubbles += 1
-        self._copied_bytes += n
-        self._copy_s += dt
-        return True
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            self._begin(deferred())
+            self._bubble_s += time.perf_counter() - t0
+            return True
+        if self._pending:
+            n = self.tier.copy_chunk(self._pending.pop())
+            dt = time.perf_counter() - t0
+            self._bubble_s += dt
+            self._in_bubbles += 1
+            self._copied_bytes += n
+            self._copy_s += dt
+            return True
+        if self.tier.active_step is not None and self._report is None:
+            record = self.tier.finish()  # every chunk is in: only the record is left
+            self._bubble_s += time.perf_counter() - t0
+            self._report = CopyReport(record, self._in_bubbles, 0, self._bubble_s, 0.0)
+            return True
+        return False
 
     def finish(self) -> CopyReport:
-        """Copy the rest and write the record (before ``optimizer.step()``); blocking."""
+        """Copy the rest and write the record (before ``optimizer.step()``); blocking.
+
+        If the bubbles already completed the snapshot, returns its report at once.
+
+        Raises:
+            RuntimeError: no snapshot was started.
+        """
+        if self._report is not None:
+            return self._report
+        t0 = time.perf_counter()
+        if self._deferred is not None:  # no bubble came: capture and begin now
+            deferred, self._deferred = self._deferred, None
+            self._begin(deferred())
         blocking = len(self._pending)
         self._pending = []
-        t0 = time.perf_counter()
         record = self.tier.finish()
-        return CopyReport(
+        self._report = CopyReport(
             record, self._in_bubbles, blocking, self._bubble_s, time.perf_counter() - t0
         )
+        return self._report
+
+    def take_report(self) -> CopyReport | None:
+        """The report of the snapshot if it completed (in a bubble or by ``finish``) since the
+        last call; None otherwise. Lets a caller act once per completed snapshot."""
+        if self._report is None or self._delivered:
+            return None
+        self._delivered = True
+        return self._report
 
     @property
     def bandwidth_bytes_per_s(self) -> float | None:

@@ -7,7 +7,9 @@ back as typed tensors, and checksums can read 8-byte words); chunk ``i`` covers 
 tensor may span chunks; :meth:`ChunkLayout.segments` lists the byte ranges to copy.
 
 Copying a chunk is a handful of ``Tensor.copy_`` calls on flat ``uint8`` views
-(:func:`flat_bytes`), never Python work per byte.
+(:func:`flat_bytes`), never Python work per byte. On the CPU, :func:`copy_chunk_checksummed`
+copies a chunk in blocks of :data:`COPY_BLOCK_BYTES` and checksums each block right after copying
+it, while it is still in the cache (:meth:`ChunkLayout.blocks` lists the pieces of each block).
 """
 
 from __future__ import annotations
@@ -16,10 +18,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+
+from bubbleguard.checkpoint.checksum import checksum_update
 
 ALIGN_BYTES = 64
 DEFAULT_CHUNK_BYTES = 4 << 20
+COPY_BLOCK_BYTES = 512 << 10
+"""Block of a fused copy + checksum: small enough to stay in a core's L2 cache (>= 1 MiB on
+current x86 server cores) between the copy and the checksum, large enough that the per-block
+Python calls (a few microseconds) stay a few percent of the copy (~50 us at ~10 GB/s)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,22 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class Block:
+    """A piece of a chunk copied and checksummed in one go (see :meth:`ChunkLayout.blocks`).
+
+    Attributes:
+        start: first region byte (a multiple of 64).
+        end: one past the last region byte.
+        segments: the tensor byte ranges inside ``[start, end)`` (padding between tensors is
+            not copied but is checksummed, as in :func:`copy_chunk`).
+    """
+
+    start: int
+    end: int
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
 class ChunkLayout:
     """All tensors of a stage in one region, cut into ``chunk_bytes`` chunks.
 
@@ -69,6 +94,9 @@ class ChunkLayout:
     chunk_bytes: int
     total_bytes: int
     _segments: tuple[tuple[Segment, ...], ...] = field(init=False, repr=False, compare=False)
+    _blocks: dict[tuple[int, int], tuple[Block, ...]] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.chunk_bytes % ALIGN_BYTES:
@@ -114,6 +142,22 @@ class ChunkLayout:
         """The tensor byte ranges that make up chunk ``chunk_id`` (precomputed)."""
         self._check(chunk_id)
         return self._segments[chunk_id]
+
+    def blocks(self, chunk_id: int, block_bytes: int = COPY_BLOCK_BYTES) -> tuple[Block, ...]:
+        """Chunk ``chunk_id`` cut into blocks of ``block_bytes`` (a positive multiple of 64).
+
+        Computed once per chunk and block size, then reused every step.
+        """
+        self._check(chunk_id)
+        blocks = self._blocks.get((chunk_id, block_bytes))
+        if blocks is None:
+            if block_bytes <= 0 or block_bytes % ALIGN_BYTES:
+                raise ValueError(f"block_bytes must be a positive multiple of {ALIGN_BYTES}, "
+                                 f"got {block_bytes}")
+            blocks = _cut_blocks(self.chunk_range(chunk_id), self._segments[chunk_id],
+                                 block_bytes)
+            self._blocks[(chunk_id, block_bytes)] = blocks
+        return blocks
 
     def names(self) -> tuple[str, ...]:
         """Tensor names in layout order."""
@@ -192,6 +236,43 @@ def copy_chunk(
     return n
 
 
+def copy_chunk_checksummed(
+    layout: ChunkLayout,
+    chunk_id: int,
+    sources: Mapping[str, np.ndarray],
+    region: np.ndarray,
+    algorithm: str,
+    block_bytes: int = COPY_BLOCK_BYTES,
+) -> tuple[int, int]:
+    """Copy chunk ``chunk_id`` into ``region`` and checksum it in the same pass (CPU only).
+
+    Block by block: copy the block's pieces (``memcpy`` through NumPy), then checksum the block
+    while it is still in the cache. The result equals ``checksum(region[chunk], algorithm)``.
+
+    Args:
+        layout: the layout.
+        chunk_id: which chunk.
+        sources: name -> ``flat_bytes(tensor).numpy()`` (CPU tensors).
+        region: the destination region as a ``uint8`` NumPy array.
+        algorithm: ``"sum64"`` or ``"crc32"`` (see ``checksum.py``).
+        block_bytes: block size (see :data:`COPY_BLOCK_BYTES`).
+
+    Returns:
+        (bytes copied, the chunk's checksum).
+    """
+    n = 0
+    value = 0
+    for block in layout.blocks(chunk_id, block_bytes):
+        for seg in block.segments:
+            end = seg.region_offset + seg.num_bytes
+            region[seg.region_offset : end] = sources[seg.name][
+                seg.tensor_offset : seg.tensor_offset + seg.num_bytes
+            ]
+            n += seg.num_bytes
+        value = checksum_update(value, region[block.start : block.end], algorithm)
+    return n, value
+
+
 def tensors_from_region(layout: ChunkLayout, region: torch.Tensor) -> dict[str, torch.Tensor]:
     """Typed views of ``region`` (flat ``uint8``) for every tensor of ``layout``; no copies."""
     if region.numel() < layout.total_bytes:
@@ -213,6 +294,25 @@ def dtype_from_str(name: str) -> torch.dtype:
 
 def _align(n: int) -> int:
     return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _cut_blocks(
+    chunk: tuple[int, int], segments: tuple[Segment, ...], block_bytes: int
+) -> tuple[Block, ...]:
+    start, end = chunk
+    blocks = []
+    for b_start in range(start, end, block_bytes):
+        b_end = min(b_start + block_bytes, end)
+        pieces = []
+        for seg in segments:
+            lo = max(b_start, seg.region_offset)
+            hi = min(b_end, seg.region_offset + seg.num_bytes)
+            if lo < hi:
+                pieces.append(
+                    Segment(seg.name, seg.tensor_offset + lo - seg.region_offset, lo, hi - lo)
+                )
+        blocks.append(Block(b_start, b_end, tuple(pieces)))
+    return tuple(blocks)
 
 
 def _cut(

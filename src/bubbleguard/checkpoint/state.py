@@ -18,6 +18,9 @@ Call order for the runtime (snapshot of step k, copied during iteration k+1)::
     ...                                                 # copy state (tiers) during iteration k+1
     optimizer.step()                                    # only after every chunk of k is copied
 
+or, to keep the step boundary short, ``pending = begin_capture(...)`` at the boundary and
+``state = pending.complete()`` later (in a bubble of iteration k+1, before the next step).
+
 ``capture_state`` is cheap: parameters and optimizer state are *referenced*, not copied, because
 they do not change until the next ``optimizer.step()``. What may change before that (buffers such
 as BatchNorm statistics, which a forward pass updates, and the RNG states) is cloned. Use
@@ -132,11 +135,106 @@ def capture_state(
             ``rng.`` prefixes, an optimizer parameter is not in ``module``, or some metadata is
             not JSON-able (the message names the entry).
     """
+    return begin_capture(
+        module, optimizer, scheduler, step=step, data_cursor=data_cursor
+    ).complete()
+
+
+@dataclass(frozen=True, eq=False)
+class PendingCapture:
+    """A capture split in two: what must be taken at the step boundary, and the rest.
+
+    :func:`begin_capture` takes, right after ``optimizer.step()`` k, only what may change before
+    the next optimizer step: buffers (a forward pass updates BatchNorm statistics) are cloned,
+    RNG states, the data cursor, the scheduler state and the param groups' hyperparameters are
+    copied. :meth:`complete` does the rest -- walking the optimizer state, naming it by FQN,
+    turning the RNG states into JSON -- and may run any time before the next
+    ``optimizer.step()``, e.g. in the first bubble of iteration k+1, off the critical path.
+    ``begin_capture(...).complete()`` equals :func:`capture_state`.
+    """
+
+    step: int
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    module_tensors: dict[str, torch.Tensor]
+    param_groups: tuple[tuple[list[torch.Tensor], dict[str, Any]], ...]
+    local_tensors: dict[str, torch.Tensor]
+    data_cursor: Any
+    scheduler: Any
+    python_random: tuple[Any, ...]
+    numpy_random: tuple[Any, ...]
+
+    def complete(self) -> StageState:
+        """The :class:`StageState` (parameters and optimizer state by reference).
+
+        Raises:
+            ValueError: an optimizer parameter is not in the module, or optimizer state is not
+                JSON-able (names the entry).
+        """
+        tensors = dict(self.module_tensors)
+        optim_meta: dict[str, Any] | None = None
+        if self.optimizer is not None:
+            fqn_of = _fqn_by_param(self.module)
+            groups: list[dict[str, Any]] = []
+            non_tensor: dict[str, dict[str, Any]] = {}
+            for g_index, (params, hyper) in enumerate(self.param_groups):
+                fqns = []
+                for p_index, p in enumerate(params):
+                    fqn = fqn_of.get(id(p))
+                    if fqn is None:
+                        raise ValueError(
+                            f"optimizer param group {g_index} parameter {p_index} (shape "
+                            f"{tuple(p.shape)}) is not a parameter of the stage module"
+                        )
+                    fqns.append(fqn)
+                    for key, value in self.optimizer.state.get(p, {}).items():
+                        if isinstance(value, torch.Tensor):
+                            tensors[optim_key(fqn, key)] = value.detach()
+                        else:
+                            non_tensor.setdefault(fqn, {})[key] = _jsonable(
+                                value, f"optimizer state {fqn}.{key}"
+                            )
+                groups.append({**hyper, "params": fqns})
+            optim_meta = {"param_groups": groups, "non_tensor_state": non_tensor}
+        py_state, np_state = self.python_random, self.numpy_random
+        metadata: dict[str, Any] = {
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "data_cursor": self.data_cursor,
+            "optimizer": optim_meta,
+            "scheduler": self.scheduler,
+            "python_random": [py_state[0], list(py_state[1]), py_state[2]],
+            "numpy_random": [
+                np_state[0],
+                np_state[1].tolist(),
+                int(np_state[2]),
+                int(np_state[3]),
+                float(np_state[4]),
+            ],
+        }
+        return StageState(
+            step=self.step, tensors=tensors, local_tensors=self.local_tensors, metadata=metadata
+        )
+
+
+def begin_capture(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    *,
+    step: int,
+    data_cursor: Mapping[str, Any] | None = None,
+) -> PendingCapture:
+    """The step-boundary half of :func:`capture_state` (arguments and errors as there).
+
+    Call right after ``optimizer.step()`` number ``step``; call ``complete()`` on the result
+    before the next ``optimizer.step()``.
+    """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    param_names = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     tensors: dict[str, torch.Tensor] = {}
-    for name, value in module.state_dict().items():
+    # keep_vars: parameters come as Parameter objects, which tells them apart from buffers.
+    for name, value in module.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(
                 f"state_dict entry {name!r} of the stage module is a {type(value).__name__}, "
@@ -145,59 +243,38 @@ def capture_state(
         if name.startswith((OPTIM_PREFIX, RNG_PREFIX)):
             raise ValueError(f"state_dict entry {name!r} uses a reserved prefix (optim./rng.)")
         # Buffers (e.g. BatchNorm statistics) change during forward passes: clone them now.
-        tensors[name] = value if name in param_names else value.clone()
+        is_param = isinstance(value, torch.nn.Parameter)
+        tensors[name] = value.detach() if is_param else value.detach().clone()
 
-    optim_meta: dict[str, Any] | None = None
+    groups: list[tuple[list[torch.Tensor], dict[str, Any]]] = []
     if optimizer is not None:
-        fqn_of = _fqn_by_param(module)
-        groups: list[dict[str, Any]] = []
-        non_tensor: dict[str, dict[str, Any]] = {}
         for g_index, group in enumerate(optimizer.param_groups):
-            fqns = []
-            for p_index, p in enumerate(group["params"]):
-                fqn = fqn_of.get(id(p))
-                if fqn is None:
-                    raise ValueError(
-                        f"optimizer param group {g_index} parameter {p_index} (shape "
-                        f"{tuple(p.shape)}) is not a parameter of the stage module"
-                    )
-                fqns.append(fqn)
-                for key, value in optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        tensors[optim_key(fqn, key)] = value.detach()
-                    else:
-                        non_tensor.setdefault(fqn, {})[key] = _jsonable(
-                            value, f"optimizer state {fqn}.{key}"
-                        )
+            # A scheduler may change the hyperparameters before complete() runs: copy them now.
             hyper = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**_jsonable(hyper, f"optimizer param group {g_index}"), "params": fqns})
-        optim_meta = {"param_groups": groups, "non_tensor_state": non_tensor}
+            groups.append(
+                (list(group["params"]), _jsonable(hyper, f"optimizer param group {g_index}"))
+            )
 
     local: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             local[f"rng.cuda.{i}"] = s
 
-    py_state = random.getstate()
-    np_state = cast(tuple[Any, ...], np.random.get_state())
-    metadata: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
-        "step": step,
-        "data_cursor": _jsonable(dict(data_cursor or {}), "data_cursor"),
-        "optimizer": optim_meta,
-        "scheduler": None
+    return PendingCapture(
+        step=step,
+        module=module,
+        optimizer=optimizer,
+        module_tensors=tensors,
+        param_groups=tuple(groups),
+        local_tensors=local,
+        data_cursor=_jsonable(dict(data_cursor or {}), "data_cursor"),
+        scheduler=None
         if scheduler is None
         else _jsonable(scheduler.state_dict(), "scheduler state_dict"),
-        "python_random": [py_state[0], list(py_state[1]), py_state[2]],
-        "numpy_random": [
-            np_state[0],
-            np_state[1].tolist(),
-            int(np_state[2]),
-            int(np_state[3]),
-            float(np_state[4]),
-        ],
-    }
-    return StageState(step=step, tensors=tensors, local_tensors=local, metadata=metadata)
+        # getstate() returns fresh immutable tuples; NumPy's holds a fresh copy of its keys.
+        python_random=random.getstate(),
+        numpy_random=cast(tuple[Any, ...], np.random.get_state()),
+    )
 
 
 def stage_selector(module: torch.nn.Module) -> Callable[[str], bool]:

@@ -15,11 +15,12 @@ tmpfs pages, so a snapshot survives the crash of the process that wrote it.
 Call order on each rank (runtime)::
 
     tier = MemoryTier(job_id, rank, num_ranks=P)           # once; maps nothing yet
-    # after optimizer.step() k:
+    # after optimizer.step() k (or in the first bubble of iteration k+1):
     tier.begin(capture_state(stage, opt, sched, step=k))   # cheap, no copy
     tier.copy_chunk(i) ...                                 # from inside the bubbles of k+1
-    tier.finish()                                          # before optimizer.step() k+1: copies
-                                                           # what the bubbles did not, writes record
+    tier.finish()                                          # once every chunk is in (a bubble),
+                                                           # at the latest before optimizer.step()
+                                                           # k+1: copies the rest, writes record
     # one process per node, once it knows every rank finished k (piggybacked on the step):
     tier.commit(k)
 
@@ -35,7 +36,8 @@ its checksums.
 
 On a GPU, chunks whose tensors are on CUDA are copied on a side stream straight into the shared
 memory, registered as pinned host memory (``cudaHostRegister``); checksums are computed once the
-copies' events complete (at the latest in ``finish``).
+copies' events complete (at the latest in ``finish``). On the CPU each chunk is copied and
+checksummed in one pass (``layout.copy_chunk_checksummed``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from bubbleguard.checkpoint.atomic import atomic_write_json, fsync_dir
@@ -63,6 +66,7 @@ from bubbleguard.checkpoint.layout import (
     DEFAULT_CHUNK_BYTES,
     ChunkLayout,
     copy_chunk,
+    copy_chunk_checksummed,
     flat_bytes,
     tensors_from_region,
 )
@@ -222,6 +226,8 @@ class _Active:
     done: list[bool]
     checksums: list[int | None]
     cuda: bool
+    sources_np: dict[str, np.ndarray] | None = None
+    region_np: np.ndarray | None = None
     events: list[tuple[int, Any]] = field(default_factory=list)
 
 
@@ -319,22 +325,29 @@ class MemoryTier(Tier):
                 self._stream = torch.cuda.Stream()
             # Copies read what optimizer.step() just wrote: order them after it.
             self._stream.wait_stream(torch.cuda.current_stream())
+        sources = {name: flat_bytes(t) for name, t in tensors.items()}
         self._active = _Active(
             step=state.step,
             slot=slot,
             layout=layout,
             local_names=tuple(state.local_tensors),
             metadata=json.loads(json.dumps(dict(state.metadata))),
-            sources={name: flat_bytes(t) for name, t in tensors.items()},
+            sources=sources,
             region=mapped.region,
             done=[False] * layout.num_chunks,
             checksums=[None] * layout.num_chunks,
             cuda=use_cuda,
+            # CPU copies go through NumPy views: memcpy, and a checksum of each cache-hot block.
+            sources_np=None if use_cuda else {k: v.numpy() for k, v in sources.items()},
+            region_np=None if use_cuda else mapped.region.numpy(),
         )
         return layout
 
     def copy_chunk(self, chunk_id: int) -> int:
         """Copy one chunk of the active snapshot into shared memory (from inside a bubble).
+
+        On the CPU the chunk's checksum is computed in the same pass (block by block, while the
+        bytes are in the cache); on a GPU once the copy's event completes.
 
         Returns:
             Bytes copied (0 if the chunk was already copied).
@@ -344,7 +357,6 @@ class MemoryTier(Tier):
             raise RuntimeError("copy_chunk() called without begin(): no snapshot is being written")
         if a.done[chunk_id]:
             return 0
-        start, end = a.layout.chunk_range(chunk_id)
         if a.cuda:
             with torch.cuda.stream(self._stream):
                 n = copy_chunk(a.layout, chunk_id, a.sources, a.region, non_blocking=True)
@@ -353,8 +365,10 @@ class MemoryTier(Tier):
             a.events.append((chunk_id, event))
             self._checksum_completed(a, wait=False)
         else:
-            n = copy_chunk(a.layout, chunk_id, a.sources, a.region)
-            a.checksums[chunk_id] = checksum(a.region[start:end], self.checksum)
+            assert a.sources_np is not None and a.region_np is not None
+            n, a.checksums[chunk_id] = copy_chunk_checksummed(
+                a.layout, chunk_id, a.sources_np, a.region_np, self.checksum
+            )
         a.done[chunk_id] = True
         return n
 
@@ -371,7 +385,9 @@ class MemoryTier(Tier):
     def finish(self) -> SnapshotRecord:
         """Copy the chunks the bubbles did not, then write the slot's record atomically.
 
-        Blocking; call it before the next ``optimizer.step()``.
+        Blocking when chunks are left; call it before the next ``optimizer.step()``. Once every
+        chunk is in, it only writes the record, so a runtime can call it from a bubble as soon
+        as the last chunk is copied (see ``copier.py``): the snapshot is complete from then on.
         """
         a = self._active
         if a is None:
