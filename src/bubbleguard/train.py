@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -174,7 +176,10 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     rank = dist.get_rank()
     layout = cfg.layout
     stage_index, replica = layout.stage_of(rank), layout.replica_of(rank)
+    # Every RNG the process might use, so that separate runs (not only resumed ones) agree.
     torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
 
     # The whole model is built (identically on every rank), then cut down to this rank's stage.
     model = build_model(cfg.model, seed=cfg.seed, **cfg.model_options)

@@ -25,7 +25,7 @@ def test_inspect_lists_both_tiers_and_flags_a_half_written_checkpoint(
     assert rc == 1
     assert "rank 1: Signal 9 (SIGKILL)" in capsys.readouterr().err
     # A half-written durable checkpoint: a step directory without its commit marker.
-    (ckpt / "step-00000099").mkdir()
+    (ckpt / "step-00000099").mkdir(parents=True, exist_ok=True)
     try:
         assert main(["inspect", str(ckpt), "--json"]) == 0
         records = json.loads(capsys.readouterr().out)

@@ -125,7 +125,8 @@ def job_id_for(ckpt_dir: str) -> str:
 
 @dataclass(frozen=True)
 class ResumeInfo:
-    """Where a resume came from: ``tier`` is ``"memory"``, ``"durable"`` or ``"none"``."""
+    """Where a resume came from: ``tier`` is ``"memory"``, ``"durable"``, ``"torchsave"`` (the
+    ``sync`` baseline's files) or ``"none"``."""
 
     step: int
     tier: str

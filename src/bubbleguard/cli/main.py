@@ -96,9 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_inspect(ckpt_dir: str, as_json: bool) -> int:
     """Print the durable checkpoints of ``ckpt_dir`` and the memory-tier snapshots of its job."""
-    records = list(describe_checkpoints(ckpt_dir))
     job_dir = shm_job_dir(job_id_for(ckpt_dir))
-    if job_dir.is_dir() and any(job_dir.glob("rank*")):
+    has_memory = job_dir.is_dir() and any(job_dir.glob("rank*"))
+    records = []
+    # The durable root appears with the first persist; until then only the memory tier may
+    # hold snapshots, and that is worth showing rather than an error.
+    if not has_memory or Path(ckpt_dir).exists() or "://" in ckpt_dir:
+        records += describe_checkpoints(ckpt_dir)
+    if has_memory:
         records += describe_checkpoints(job_dir)
     if as_json:
         print(json.dumps([dataclasses.asdict(r) for r in records], indent=2))

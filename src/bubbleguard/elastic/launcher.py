@@ -8,10 +8,11 @@ failed and why.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -24,6 +25,22 @@ T = TypeVar("T")
 
 class LaunchError(RuntimeError):
     """A rank failed; the message names the rank and its error."""
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables (unless the user set them) for the block, then restore them."""
+    saved = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        os.environ.setdefault(k, v)
+    try:
+        yield
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
 
 
 def free_port() -> int:
@@ -62,13 +79,13 @@ def launch_local(entrypoint: Callable[..., T], args: tuple[Any, ...], num_ranks:
         start_method="spawn",
         local_addr="127.0.0.1",
     )
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank))
     # By default the ranks share the agent's rendezvous store across restarts, and a restarted
     # group then reads the dead group's gloo addresses (stale keys: "connection refused"). With
     # sharing off, rank 0 of every attempt hosts a fresh store on a fresh port.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env = {"OMP_NUM_THREADS": str(threads_per_rank), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     try:
-        return elastic_launch(config, entrypoint)(*args)
+        with _environment(env):  # the ranks inherit it; the caller's process gets it back
+            return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as exc:
         failures = "; ".join(
             f"rank {rank}: {failure.message or f'exit code {failure.exitcode}'}"
