@@ -35,6 +35,7 @@ from bubbleguard.models import (
     model_target,
 )
 from bubbleguard.pipeline.layout import Layout
+from bubbleguard.pipeline.profiler import plan_from_timeline
 from bubbleguard.pipeline.runtime import PipelineJob
 from bubbleguard.pipeline.schedules import SCHEDULE_NAMES
 from bubbleguard.pipeline.stage import partition_layers, split
@@ -214,6 +215,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         if resumed.step:
             bar.write(f"resumed from step {resumed.step} ({resumed.tier} tier)")
     loss = None
+    plan: dict[str, Any] | None = None
     try:
         for step in range(resumed.step + 1, cfg.steps + 1):
             inputs, targets = batches.next_batch()
@@ -226,12 +228,16 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
             step_time_s = time.perf_counter() - start
             if fault:
                 fault.maybe_fire(rank, step, "after")
+            if step >= PLAN_FIRST_STEP and (step - PLAN_FIRST_STEP) % PLAN_EVERY == 0:
+                plan = _plan(job, ckpt) or plan
             if metrics is not None:
                 record = {"step": step, "loss": loss, "step_time_s": step_time_s,
                           "ckpt_blocking_s": job.last_stats["ckpt_blocking_s"],
                           "ckpt_bubble_s": job.last_stats["ckpt_bubble_s"], "restart": restart}
                 if step == resumed.step + 1 and resumed.step:
                     record["resumed_from"] = {"step": resumed.step, "tier": resumed.tier}
+                if plan is not None and plan["step"] == step:
+                    record["ckpt_plan"] = plan
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
             if bar is not None:
@@ -246,9 +252,34 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         job.close()
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     save_events(Path(cfg.run_dir) / f"timeline-rank{rank}.json", job.timeline.events)
+    if plan is not None:
+        (Path(cfg.run_dir) / f"plan-rank{rank}.json").write_text(json.dumps(plan))
     dist.destroy_process_group()
     return {"rank": rank, "stage": stage_index, "replica": replica, "loss": loss,
             "resumed_from": resumed.step, "resumed_tier": resumed.tier}
+
+
+# The checkpoint plan is made from the bubbles of the first iterations, then refreshed.
+PLAN_FIRST_STEP = 5
+PLAN_EVERY = 25
+
+
+def _plan(job: PipelineJob, ckpt: Checkpointer) -> dict[str, Any] | None:
+    """This stage's checkpoint plan on its last 10 steps of bubbles, as plain data, or None
+    before a snapshot and its copy bandwidth were measured."""
+    profile = ckpt.snapshot_profile()
+    if profile is None:
+        return None
+    chunk_sizes, copy_bw, persist_bw = profile
+    plan = plan_from_timeline(job.timeline.events, job.schedule, job.stage.stage_index,
+                              chunk_sizes, copy_bw, persist_bandwidth_bytes_per_s=persist_bw)
+    return {"step": job.step_count, "stage": job.stage.stage_index,
+            "num_chunks": len(chunk_sizes),
+            "chunks_in_bubbles": len(chunk_sizes) - len(plan.blocking_chunk_ids),
+            "predicted_blocking_s": plan.blocking_s,
+            "copy_bandwidth_bytes_per_s": copy_bw,
+            "persist_bandwidth_bytes_per_s": persist_bw,
+            "persist_every_free": plan.persist_every_free}
 
 
 @dataclass(frozen=True)

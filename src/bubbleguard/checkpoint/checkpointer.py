@@ -230,6 +230,22 @@ class Checkpointer:
         if self.strategy:
             self.strategy.after_step(step)
 
+    def snapshot_profile(self) -> tuple[tuple[int, ...], float, float | None] | None:
+        """What a planner needs, once measured: chunk sizes, copy and persist bandwidth.
+
+        None before the first snapshot completed, or in modes other than ``bubble``. The
+        persist bandwidth (bytes/s of the last successful durable save) is None until one ran.
+        """
+        strategy = self.strategy
+        if not isinstance(strategy, BubbleStrategy) or not strategy.chunk_sizes:
+            return None
+        copy_bw = strategy.copier.bandwidth_bytes_per_s
+        if copy_bw is None:
+            return None
+        done = [r for r in strategy.persister.results() if r.persisted and r.duration_s > 0]
+        persist_bw = done[-1].num_bytes / done[-1].duration_s if done else None
+        return strategy.chunk_sizes, copy_bw, persist_bw
+
     # ------------------------------------------------------------- resume / close
 
     def resume(self, load_data_state: Callable[[Mapping[str, Any]], None] | None = None,
@@ -321,6 +337,7 @@ class BubbleStrategy(SnapshotStrategy):
         # (BackgroundPersister has no public handle on its thread yet, hence _thread.)
         self._run_when_idle(self.persister._thread)
         self.active: int | None = None
+        self.chunk_sizes: tuple[int, ...] = ()
         self.finished: int | None = None
         self.persisted: int | None = None
         self.to_commit: list[int] = []
@@ -371,6 +388,7 @@ class BubbleStrategy(SnapshotStrategy):
         stats["ckpt_chunks_in_bubbles"] = report.num_chunks_in_bubbles
         stats["ckpt_chunks_blocking"] = report.num_chunks_blocking
         step = report.record.step
+        self.chunk_sizes = report.record.layout.chunk_sizes()
         self.finished, self.active = step, None
         self.to_commit.append(step)
         every = self.owner.config.persist_every

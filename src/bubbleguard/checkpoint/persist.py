@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +43,15 @@ class PersistResult:
         step: the step submitted.
         persisted: True once it is committed in the durable tier.
         error: why not, as text (None on success).
+        num_bytes: bytes of the state written (0 when not persisted).
+        duration_s: time the durable save took (0 when not persisted).
     """
 
     step: int
     persisted: bool
     error: str | None = None
+    num_bytes: int = 0
+    duration_s: float = 0.0
 
 
 class BackgroundPersister:
@@ -119,8 +124,10 @@ class BackgroundPersister:
                     )
                     continue
                 assert state is not None
+                start = time.perf_counter()
                 self.durable.save(state)
-                self._record(PersistResult(step, True))
+                self._record(PersistResult(step, True, num_bytes=state.num_bytes,
+                                           duration_s=time.perf_counter() - start))
             except (OSError, ValueError, CheckpointError) as e:
                 # Storage trouble (full disk, permissions) is reported per step; training goes on.
                 self._record(PersistResult(step, False, str(e)))

@@ -164,6 +164,13 @@ def run_training(cfg: TrainConfig, run_dir: str | None) -> int:
             ckpt_summary = checkpoint_summary(events)
             if ckpt_summary:
                 print(ckpt_summary)
+            for plan_file in sorted(run_path.glob("plan-rank*.json")):
+                p = json.loads(plan_file.read_text())
+                free = p["persist_every_free"]
+                print(f"  plan, stage {p['stage']} (step {p['step']}): {p['chunks_in_bubbles']} of "
+                      f"{p['num_chunks']} chunks fit in the bubbles, predicted blocking "
+                      f"{p['predicted_blocking_s'] * 1e3:.2f} ms; a durable persist fits in the "
+                      f"bubbles every {free if free else '-'} iterations")
     finally:
         if not keep:
             shutil.rmtree(run_path, ignore_errors=True)
