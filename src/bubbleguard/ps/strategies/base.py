@@ -284,3 +284,28 @@ class Strategy(ABC):
         """Kill every actor this strategy created."""
         for handle in self.servers().values():
             ray.kill(handle, no_restart=True)
+
+
+class OneServerStatus:
+    """``status``, ``servers`` and ``num_applied`` for strategies with one live server per shard.
+
+    The strategy keeps ``server_name``, ``handle`` and ``liveness`` (a :class:`Liveness`) up to
+    date; these answers follow from them.
+    """
+
+    server_name: str
+    handle: Any
+    liveness: Liveness
+
+    def status(self) -> ServerStatus:
+        """``up`` while the server answers pings, else ``down``."""
+        return "up" if self.liveness.state in ("alive", "pending") else "down"
+
+    def servers(self) -> dict[str, Any]:
+        """The one server, by name."""
+        return {self.server_name: self.handle}
+
+    @property
+    def num_applied(self) -> int:
+        """Gradients in the server's state at the last ping."""
+        return self.liveness.health.num_applied if self.liveness.health else 0

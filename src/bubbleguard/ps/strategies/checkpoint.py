@@ -20,12 +20,13 @@ import ray
 
 from bubbleguard.ps.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from bubbleguard.ps.core.messages import Ack, Gradient, Weights
-from bubbleguard.ps.core.records import Event, PushOutcome, ServerStatus
+from bubbleguard.ps.core.records import Event, PushOutcome
 from bubbleguard.ps.core.state import ShardState
 from bubbleguard.ps.runtime.membership import Membership, ShardView, actor_name, lookup_actor
 from bubbleguard.ps.runtime.server import ServerIdentity, ShardServer
 from bubbleguard.ps.strategies.base import (
     Liveness,
+    OneServerStatus,
     ShardClient,
     Strategy,
     call_until_done,
@@ -84,7 +85,7 @@ class RetryingClient(ShardClient):
         return ("acked", ack) if ack is not None else ("failed", None)
 
 
-class SingleServerStrategy(Strategy):
+class SingleServerStrategy(OneServerStatus, Strategy):
     """One server per shard, restarted by Ray when ``max_restarts`` allows.
 
     Subclasses set ``server_class``, ``max_restarts`` and :meth:`server_options`.
@@ -131,19 +132,6 @@ class SingleServerStrategy(Strategy):
             detail = f"restarted from {self.identity.started_from} at version {self.identity.start_version}"
             return [Event(self.identity.ready_at, "recovered", self.ctx.shard, self.server_name, detail)]
         return []
-
-    def status(self) -> ServerStatus:
-        """``up`` while pings are answered, else ``down``."""
-        return "up" if self.liveness.state in ("alive", "pending") else "down"
-
-    def servers(self) -> dict[str, Any]:
-        """The one server."""
-        return {self.server_name: self.handle}
-
-    @property
-    def num_applied(self) -> int:
-        """Gradients in the server's state at the last ping."""
-        return self.liveness.health.num_applied if self.liveness.health else 0
 
 
 class CheckpointStrategy(SingleServerStrategy):

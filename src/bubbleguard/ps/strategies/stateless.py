@@ -36,13 +36,14 @@ from bubbleguard.ps.checkpointing import latest_checkpoint, load_checkpoint, sav
 from bubbleguard.ps.core.buffer import GradientBuffer
 from bubbleguard.ps.core.layout import ParamLayout
 from bubbleguard.ps.core.messages import Ack, BacklogEntry, Gradient, Weights, WireTensors
-from bubbleguard.ps.core.records import Event, PushOutcome, ServerStatus
+from bubbleguard.ps.core.records import Event, PushOutcome
 from bubbleguard.ps.core.state import ShardState
 from bubbleguard.ps.runtime.cluster import NAMESPACE
 from bubbleguard.ps.runtime.membership import Membership, ShardView, actor_name, lookup_actor
 from bubbleguard.ps.runtime.server import ServerIdentity, ShardServer
 from bubbleguard.ps.strategies.base import (
     Liveness,
+    OneServerStatus,
     ShardClient,
     Strategy,
     create_server,
@@ -324,7 +325,7 @@ class StatelessClient(ShardClient):
         return list(self._buffer.dropped_uids)
 
 
-class StatelessStrategy(Strategy):
+class StatelessStrategy(OneServerStatus, Strategy):
     """Stateless server with worker-side buffering (see the module docstring)."""
 
     name = "stateless"
@@ -398,19 +399,6 @@ class StatelessStrategy(Strategy):
         self.identity = ray.get(self.handle.identity.remote())
         detail = f"{name} started from the {self.identity.started_from} at version {self.identity.start_version}"
         return [Event(self.identity.ready_at, "recovered", self.ctx.shard, name, detail)]
-
-    def status(self) -> ServerStatus:
-        """``up`` while the server answers, else ``down``."""
-        return "up" if self.liveness.state in ("alive", "pending") else "down"
-
-    def servers(self) -> dict[str, Any]:
-        """The server."""
-        return {self.server_name: self.handle}
-
-    @property
-    def num_applied(self) -> int:
-        """Gradients in the server's state at the last ping."""
-        return self.liveness.health.num_applied if self.liveness.health else 0
 
     def stop(self) -> None:
         """Kill the server, a replacement being started, and the store."""
