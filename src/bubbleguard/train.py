@@ -79,6 +79,7 @@ class TrainConfig:
         ckpt_every: snapshot every this many steps.
         persist_every: durable checkpoint every this many steps (0: only at the end).
         keep_last: durable checkpoints to keep.
+        ckpt_chunk_mb: snapshot chunk size in MiB (the most a copy can overrun a bubble).
         resume: start from the newest complete checkpoint (memory tier first, then durable).
         fault: ``RANK:STEP[:PHASE]`` to kill a rank on the first attempt (fault injection).
         max_restarts: times torchrun restarts the group after a failure; restarted ranks
@@ -105,6 +106,7 @@ class TrainConfig:
     ckpt_every: int = 1
     persist_every: int = 10
     keep_last: int = 3
+    ckpt_chunk_mb: float = 4.0
     resume: bool = False
     fault: str | None = None
     max_restarts: int = 0
@@ -151,8 +153,11 @@ class TrainConfig:
     @property
     def checkpoint_config(self) -> CheckpointConfig:
         """The checkpoint options as the checkpointer takes them."""
+        # Chunks are whole multiples of 64 bytes (the layout's alignment).
+        chunk_bytes = max(64, int(self.ckpt_chunk_mb * 2**20) // 64 * 64)
         return CheckpointConfig(mode=self.ckpt, ckpt_dir=self.ckpt_dir, every=self.ckpt_every,
-                                persist_every=self.persist_every, keep_last=self.keep_last)
+                                persist_every=self.persist_every, keep_last=self.keep_last,
+                                chunk_bytes=chunk_bytes)
 
     @property
     def layout(self) -> Layout:

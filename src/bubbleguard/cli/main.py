@@ -69,6 +69,8 @@ def _add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> N
                     help="durable (DCP) checkpoint every K steps; 0: only at the end")
     ck.add_argument("--keep-last", type=int, default=defaults.keep_last,
                     help="durable checkpoints to keep")
+    ck.add_argument("--ckpt-chunk-mb", type=float, default=defaults.ckpt_chunk_mb,
+                    help="snapshot chunk size in MiB (the most a copy can overrun a bubble)")
     ck.add_argument("--resume", action="store_true",
                     help="start from the newest complete checkpoint (memory tier, then durable)")
     ck.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
@@ -134,7 +136,8 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
                        model_options=options, trace=args.trace, metrics=args.metrics,
                        progress=not args.no_progress, ckpt=args.ckpt, ckpt_dir=args.ckpt_dir,
                        ckpt_every=args.ckpt_every, persist_every=args.persist_every,
-                       keep_last=args.keep_last, resume=args.resume, fault=args.fault,
+                       keep_last=args.keep_last, ckpt_chunk_mb=args.ckpt_chunk_mb,
+                       resume=args.resume, fault=args.fault,
                        max_restarts=args.max_restarts)
 
 
