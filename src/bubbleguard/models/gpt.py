@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bubbleguard.models.base import EmbedBlocksHead
+
 __all__ = ["GPT", "Block", "CausalSelfAttention", "GPTConfig", "GPTEmbed", "GPTHead", "lm_loss"]
 
 # Standard deviation of the normal init of every Linear and Embedding weight (GPT-2 style).
@@ -150,7 +152,7 @@ class GPTHead(nn.Module):
         return out
 
 
-class GPT(nn.Module):
+class GPT(EmbedBlocksHead):
     """Decoder-only transformer: ``head(blocks[L-1](... blocks[0](embed(ids))))``.
 
     Deterministic: no dropout, and the initialisation draws only from torch's global RNG, so
@@ -190,13 +192,6 @@ class GPT(nn.Module):
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(last_mlp.weight, mean=0.0, std=residual_std)
 
-    def forward(self, ids: Tensor) -> Tensor:
-        """Map int64 ids ``(B, T)``, ``T <= seq_len``, to logits ``(B, T, vocab_size)``."""
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        out: Tensor = self.head(x)
-        return out
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from bubbleguard.models.base import EmbedBlocksHead
 from bubbleguard.models.gpt import _check_positive_int
 
 __all__ = ["MLP", "MLPBlock", "MLPConfig", "MLPEmbed", "MLPHead"]
@@ -94,7 +95,7 @@ class MLPHead(nn.Module):
         return out
 
 
-class MLP(nn.Module):
+class MLP(EmbedBlocksHead):
     """Next-byte predictor: ``head(blocks[L-1](... blocks[0](embed(ids))))``.
 
     Targets are ``(B,)``: the byte that follows each row's context. Deterministic: no dropout,
@@ -119,10 +120,3 @@ class MLP(nn.Module):
         nn.init.normal_(self.head.out.weight, mean=0.0, std=_HEAD_INIT_STD)
         nn.init.zeros_(self.head.out.bias)
 
-    def forward(self, ids: Tensor) -> Tensor:
-        """Map int64 ids ``(B, context)`` to next-byte logits ``(B, vocab_size)``."""
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        out: Tensor = self.head(x)
-        return out
