@@ -105,6 +105,9 @@ def _entry(
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        # Tear down together: a rank whose peer already exited can abort inside gloo's
+        # teardown ("terminate called without an active exception", SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
