@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import sysconfig
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,12 +13,17 @@ from hypothesis import strategies as st
 
 from bubbleguard.checkpoint.checksum import checksum
 from bubbleguard.checkpoint.layout import (
+    NATIVE_COPY_AVAILABLE,
     ChunkLayout,
     copy_chunk,
     copy_chunk_checksummed,
+    copy_chunk_native,
     flat_bytes,
     tensors_from_region,
 )
+
+needs_native = pytest.mark.skipif(not NATIVE_COPY_AVAILABLE,
+                                  reason="the C extension _copysum was not built")
 
 DTYPES = [
     torch.float32,
@@ -132,3 +141,63 @@ def test_block_size_must_be_a_multiple_of_64() -> None:
     layout = ChunkLayout.build({"w": torch.zeros(100)}, chunk_bytes=256)
     with pytest.raises(ValueError, match="block_bytes must be a positive multiple of 64, got 100"):
         layout.blocks(0, 100)
+
+
+def test_padding_is_every_region_byte_no_tensor_covers() -> None:
+    tensors = {"a": torch.zeros(3, dtype=torch.uint8), "b": torch.zeros(17),
+               "c": torch.zeros(0), "d": torch.zeros(16, dtype=torch.int64)}
+    layout = ChunkLayout.build(tensors, chunk_bytes=128)
+    covered = torch.zeros(layout.total_bytes, dtype=torch.bool)
+    for s in layout.tensors:
+        covered[s.region_offset:s.region_offset + s.num_bytes] = True
+    for start, end in layout.padding():
+        assert not covered[start:end].any()
+        covered[start:end] = True
+    assert covered.all()
+    assert layout.padding()[0] == (3, 64)  # after "a", up to "b"'s aligned start
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(tensors=tensor_sets(), chunk_units=st.integers(1, 8))
+def test_native_copy_equals_copy_then_checksum(tensors, chunk_units) -> None:
+    layout = ChunkLayout.build(tensors, chunk_bytes=64 * chunk_units)
+    plain = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    native = torch.zeros(layout.total_bytes, dtype=torch.uint8)  # padding zero, as required
+    sources = {k: flat_bytes(v) for k, v in tensors.items()}
+    addresses = {k: v.data_ptr() for k, v in sources.items()}
+    for cid in range(layout.num_chunks):
+        n = copy_chunk(layout, cid, sources, plain)
+        start, end = layout.chunk_range(cid)
+        assert copy_chunk_native(layout, cid, addresses, native.data_ptr()) == (
+            n, checksum(plain[start:end], "sum64"))
+    assert torch.equal(plain, native)
+
+
+@needs_native
+@pytest.mark.parametrize("num_bytes", [0, 1, 7, 8, 9, 63, 64, 65, 64 << 10, (64 << 10) + 13,
+                                       (1 << 20) + 61])
+@pytest.mark.parametrize("dst_offset", [0, 8, 3])
+def test_native_kernel_copies_and_sums_every_length_and_alignment(num_bytes, dst_offset) -> None:
+    from bubbleguard.checkpoint._copysum import copy_sum64
+
+    rng = np.random.default_rng(num_bytes)
+    src = rng.integers(0, 256, num_bytes + 8, dtype=np.uint8)[5:5 + num_bytes]  # unaligned
+    dst = np.zeros(num_bytes + 16, dtype=np.uint8)
+    value = copy_sum64(dst.ctypes.data + dst_offset, src.ctypes.data, num_bytes)
+    assert np.array_equal(dst[dst_offset:dst_offset + num_bytes], src)
+    assert not dst[:dst_offset].any() and not dst[dst_offset + num_bytes:].any()
+    padded = np.zeros(-(-num_bytes // 8) * 8, dtype=np.uint8)
+    padded[:num_bytes] = src
+    assert value == int(np.add.reduce(padded.view(np.uint64), dtype=np.uint64))
+    with pytest.raises(ValueError, match="num_bytes must be >= 0"):
+        copy_sum64(dst.ctypes.data, src.ctypes.data, -1)
+
+
+def test_native_copy_is_built_where_a_c_compiler_is() -> None:
+    # The extension is optional so that installs without a compiler work; where one is present
+    # (as on CI), a missing extension means its build broke, which would otherwise go unseen.
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}) on this machine")
+    assert NATIVE_COPY_AVAILABLE

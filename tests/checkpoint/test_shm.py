@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from bubbleguard.checkpoint.errors import CorruptSnapshotError, IncompleteCheckpointError
+from bubbleguard.checkpoint.layout import NATIVE_COPY_AVAILABLE
 from bubbleguard.checkpoint.tiers.shm import MemoryTier, remove_job, shm_job_dir
 from tests.checkpoint.ckpt_testlib import (
     assert_same_state,
+    assert_same_tensors,
     train_step,
     trained_state,
     write_then_die,
@@ -25,9 +27,13 @@ from tests.checkpoint.ckpt_testlib import (
 CHUNK = 1024  # small chunks so that the tiny model spans many
 
 
-@pytest.fixture
-def tier(tmp_path: Path):
-    t = MemoryTier("job", 0, root=tmp_path, chunk_bytes=CHUNK)
+@pytest.fixture(params=["native", "numpy"])
+def tier(tmp_path: Path, request: pytest.FixtureRequest):
+    """A tier copying through the C extension, or through NumPy (the fallback)."""
+    native = request.param == "native"
+    if native and not NATIVE_COPY_AVAILABLE:
+        pytest.skip("the C extension _copysum was not built")
+    t = MemoryTier("job", 0, root=tmp_path, chunk_bytes=CHUNK, native_copy=native)
     yield t
     t.cleanup()
 
@@ -182,6 +188,8 @@ def test_bad_arguments(tmp_path: Path) -> None:
         MemoryTier("j", 0, root=tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="no memory-tier snapshots for rank 0"):
         MemoryTier("absent", 0, root=tmp_path, create=False)
+    with pytest.raises(ValueError, match="native_copy computes sum64 checksums, not 'crc32'"):
+        MemoryTier("j", 0, root=tmp_path, checksum="crc32", native_copy=True)
     t = MemoryTier("j", 0, root=tmp_path)
     with pytest.raises(RuntimeError, match="without begin"):
         t.copy_chunk(0)
@@ -189,3 +197,46 @@ def test_bad_arguments(tmp_path: Path) -> None:
         t.read_latest()
     assert torch.get_num_threads() >= 1
 
+
+
+@pytest.mark.skipif(not NATIVE_COPY_AVAILABLE, reason="the C extension _copysum was not built")
+def test_stale_padding_in_a_reused_slot_is_zeroed_for_native_copies(tmp_path: Path) -> None:
+    # Native copies sum only the tensors' bytes, so a slot file whose padding holds old bytes
+    # (another layout, another process) must be cleaned first, or its checksums would not verify.
+    *_, state = trained_state(2)
+    first = MemoryTier("pad", 0, root=tmp_path, chunk_bytes=CHUNK, native_copy=True)
+    layout = first.begin(state)
+    first.finish()
+    first.write(state)  # both slots exist now
+    first.close()
+    assert layout.padding()
+    for path in first.rank_dir.glob("slot*.bin"):
+        data = bytearray(path.read_bytes())
+        for start, end in layout.padding():
+            data[start:end] = b"\xff" * (end - start)
+        path.write_bytes(bytes(data))
+    again = MemoryTier("pad", 0, root=tmp_path, chunk_bytes=CHUNK, native_copy=True)
+    for step in (3, 4):  # through both slots
+        again.write(type(state)(step=step, tensors=state.tensors,
+                                local_tensors=state.local_tensors, metadata=state.metadata))
+        read = again.read(step)
+        assert read.step == step
+        assert_same_tensors(dict(read.tensors), dict(state.tensors))
+        assert_same_tensors(dict(read.local_tensors), dict(state.local_tensors))
+    for path in again.rank_dir.glob("slot*.bin"):
+        data = path.read_bytes()
+        assert all(data[a:b] == bytes(b - a) for a, b in layout.padding())
+    again.cleanup()
+
+
+def test_read_into_a_reused_buffer(tier: MemoryTier) -> None:
+    # The persist helper reads every snapshot into one buffer instead of fresh memory each time.
+    *_, state = trained_state(2)
+    tier.write(state)
+    out = torch.full((state.num_bytes + 4096,), 7, dtype=torch.uint8)
+    read = tier.read(2, out=out)
+    assert_same_state(read, state)
+    assert all(t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+               for t in read.tensors.values())
+    with pytest.raises(ValueError, match="out must be a flat uint8 tensor of >= "):
+        tier.read(2, out=torch.empty(16, dtype=torch.uint8))

@@ -8,7 +8,8 @@ Two algorithms, measured on the 2-core CPU of the dev machine (64 MiB buffer):
 * ``"crc32"`` -- ``zlib.crc32`` (~2.3 GB/s here: about 7x the cost of the copy it checks).
 
 ``"sum64"`` is the default because the memory tier runs every iteration inside the bubbles; pick
-``"crc32"`` where the stronger check is worth its time.
+``"crc32"`` where the stronger check is worth its time. The snapshot copy computes ``"sum64"`` in
+the same pass as the copy where the C extension is built (``layout.copy_chunk_native``).
 
 Both can be computed block by block (:func:`checksum_update`): the snapshot copy sums each block
 right after copying it, while the block is still in the CPU cache, instead of reading the whole
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 CHECKSUMS = ("sum64", "crc32")
-_MASK64 = (1 << 64) - 1
+MASK64 = (1 << 64) - 1
 
 
 def check_algorithm(name: str) -> str:
@@ -44,7 +45,7 @@ def checksum(data: torch.Tensor, algorithm: str) -> int:
         if data.numel() % 8:
             raise ValueError(f"sum64 needs a multiple of 8 bytes, got {data.numel()}")
         # Integer addition wraps modulo 2**64 and is order-free, so threads do not change it.
-        return int(data.view(torch.int64).sum()) & _MASK64
+        return int(data.view(torch.int64).sum()) & MASK64
     if algorithm == "crc32":
         return zlib.crc32(data.numpy().data)
     raise ValueError(f"unknown checksum {algorithm!r}; expected one of {CHECKSUMS}")
@@ -62,7 +63,7 @@ def checksum_update(value: int, block: np.ndarray, algorithm: str) -> int:
         if block.size % 8:
             raise ValueError(f"sum64 needs blocks of a multiple of 8 bytes, got {block.size}")
         # uint64 addition wraps silently in NumPy's reductions: the sum modulo 2**64.
-        return (value + int(np.add.reduce(block.view(np.uint64)))) & _MASK64
+        return (value + int(np.add.reduce(block.view(np.uint64)))) & MASK64
     if algorithm == "crc32":
         return zlib.crc32(block.data, value)
     raise ValueError(f"unknown checksum {algorithm!r}; expected one of {CHECKSUMS}")

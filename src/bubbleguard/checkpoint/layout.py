@@ -7,9 +7,19 @@ back as typed tensors, and checksums can read 8-byte words); chunk ``i`` covers 
 tensor may span chunks; :meth:`ChunkLayout.segments` lists the byte ranges to copy.
 
 Copying a chunk is a handful of ``Tensor.copy_`` calls on flat ``uint8`` views
-(:func:`flat_bytes`), never Python work per byte. On the CPU, :func:`copy_chunk_checksummed`
-copies a chunk in blocks of :data:`COPY_BLOCK_BYTES` and checksums each block right after copying
-it, while it is still in the cache (:meth:`ChunkLayout.blocks` lists the pieces of each block).
+(:func:`flat_bytes`), never Python work per byte. On the CPU a snapshot copy also checksums what
+it copies, in one of two ways:
+
+* :func:`copy_chunk_native` (the default where the C extension ``_copysum`` was built): each
+  piece is copied and summed in one pass with streaming stores (``sum64`` only). Measured on the
+  2-core dev machine on a 44 MB stage state, from cold caches: 8.7 GB/s, against 6.5 GB/s for a
+  plain ``memcpy`` of the same bytes and 5.0 GB/s for the NumPy path below.
+* :func:`copy_chunk_checksummed` (fallback, and for ``crc32``): a chunk is copied in blocks of
+  :data:`COPY_BLOCK_BYTES` through NumPy, each block checksummed right after it was copied
+  (:meth:`ChunkLayout.blocks` lists the pieces of each block).
+
+Both give the checksum of the chunk's region bytes, padding included; the native path sums only
+the tensors' bytes, so the padding must be zero (:meth:`ChunkLayout.padding` lists it).
 """
 
 from __future__ import annotations
@@ -21,7 +31,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from bubbleguard.checkpoint.checksum import checksum_update
+from bubbleguard.checkpoint.checksum import MASK64, checksum_update
+
+try:
+    from bubbleguard.checkpoint._copysum import copy_sum64 as _copy_sum64
+except ImportError:  # installed without a C compiler: the NumPy path
+    _copy_sum64 = None
+
+NATIVE_COPY_AVAILABLE = _copy_sum64 is not None
+"""Whether the fused native copy + checksum (``_copysum``) was built."""
 
 ALIGN_BYTES = 64
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -159,6 +177,18 @@ class ChunkLayout:
             self._blocks[(chunk_id, block_bytes)] = blocks
         return blocks
 
+    def padding(self) -> tuple[tuple[int, int], ...]:
+        """Region byte ranges ``[start, end)`` that belong to no tensor (alignment gaps)."""
+        gaps = []
+        pos = 0
+        for s in self.tensors:
+            if s.region_offset > pos:
+                gaps.append((pos, s.region_offset))
+            pos = max(pos, s.region_offset + s.num_bytes)
+        if pos < self.total_bytes:
+            gaps.append((pos, self.total_bytes))
+        return tuple(gaps)
+
     def names(self) -> tuple[str, ...]:
         """Tensor names in layout order."""
         return tuple(s.name for s in self.tensors)
@@ -271,6 +301,42 @@ def copy_chunk_checksummed(
             n += seg.num_bytes
         value = checksum_update(value, region[block.start : block.end], algorithm)
     return n, value
+
+
+def copy_chunk_native(
+    layout: ChunkLayout,
+    chunk_id: int,
+    source_addresses: Mapping[str, int],
+    region_address: int,
+) -> tuple[int, int]:
+    """Copy chunk ``chunk_id`` and compute its ``sum64`` checksum in one pass (C extension).
+
+    The checksum equals ``checksum(region[chunk], "sum64")`` when the region's padding bytes are
+    zero (:meth:`ChunkLayout.padding`).
+
+    Args:
+        layout: the layout.
+        chunk_id: which chunk.
+        source_addresses: name -> address of the tensor's first byte (``data_ptr()`` of its
+            :func:`flat_bytes`; contiguous CPU memory that stays alive during the call).
+        region_address: address of the region's first byte.
+
+    Returns:
+        (bytes copied, the chunk's checksum).
+
+    Raises:
+        RuntimeError: the extension was not built (see :data:`NATIVE_COPY_AVAILABLE`).
+    """
+    if _copy_sum64 is None:
+        raise RuntimeError("the native copy (bubbleguard.checkpoint._copysum) was not built; "
+                           "use copy_chunk_checksummed")
+    n = 0
+    value = 0
+    for seg in layout.segments(chunk_id):
+        value += _copy_sum64(region_address + seg.region_offset,
+                             source_addresses[seg.name] + seg.tensor_offset, seg.num_bytes)
+        n += seg.num_bytes
+    return n, value & MASK64
 
 
 def tensors_from_region(layout: ChunkLayout, region: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -37,7 +37,9 @@ its checksums.
 On a GPU, chunks whose tensors are on CUDA are copied on a side stream straight into the shared
 memory, registered as pinned host memory (``cudaHostRegister``); checksums are computed once the
 copies' events complete (at the latest in ``finish``). On the CPU each chunk is copied and
-checksummed in one pass (``layout.copy_chunk_checksummed``).
+checksummed in one pass: by the C extension with streaming stores where it was built
+(``layout.copy_chunk_native``), else block by block through NumPy
+(``layout.copy_chunk_checksummed``).
 """
 
 from __future__ import annotations
@@ -64,9 +66,11 @@ from bubbleguard.checkpoint.checksum import check_algorithm, checksum
 from bubbleguard.checkpoint.errors import CorruptSnapshotError, IncompleteCheckpointError
 from bubbleguard.checkpoint.layout import (
     DEFAULT_CHUNK_BYTES,
+    NATIVE_COPY_AVAILABLE,
     ChunkLayout,
     copy_chunk,
     copy_chunk_checksummed,
+    copy_chunk_native,
     flat_bytes,
     tensors_from_region,
 )
@@ -188,6 +192,17 @@ class _Slot:
             else torch.empty(0, dtype=torch.uint8)
         )
         self.cuda_registered = False
+        # The layout whose padding was last zeroed in this mapping (native copies need zeros).
+        self.zeroed_padding_of: ChunkLayout | None = None
+
+    def zero_padding(self, layout: ChunkLayout) -> None:
+        """Zero ``layout``'s padding bytes, unless they already are for this layout."""
+        if self.zeroed_padding_of == layout:
+            return
+        region = self.region.numpy()
+        for start, end in layout.padding():
+            region[start:end] = 0
+        self.zeroed_padding_of = layout
 
     def register_cuda(self) -> bool:
         """Pin the mapping for asynchronous device-to-host copies (once)."""
@@ -228,6 +243,8 @@ class _Active:
     cuda: bool
     sources_np: dict[str, np.ndarray] | None = None
     region_np: np.ndarray | None = None
+    sources_address: dict[str, int] | None = None  # native copies
+    region_address: int = 0
     events: list[tuple[int, Any]] = field(default_factory=list)
 
 
@@ -244,6 +261,11 @@ class MemoryTier(Tier):
         chunk_bytes: chunk size of the layout (a multiple of 64).
         create: create the directories (writers); False for readers, which then get
             FileNotFoundError if the rank has no directory.
+        native_copy: copy CPU chunks with the C extension (one pass, streaming stores); None
+            (default): where it was built and the checksum is ``sum64``; False: through NumPy.
+
+    Raises:
+        ValueError: ``native_copy=True`` where the extension was not built or with ``crc32``.
     """
 
     kind = "memory"
@@ -259,7 +281,13 @@ class MemoryTier(Tier):
         checksum: str = "sum64",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         create: bool = True,
+        native_copy: bool | None = None,
     ) -> None:
+        if native_copy and not NATIVE_COPY_AVAILABLE:
+            raise ValueError("native_copy=True, but the C extension bubbleguard.checkpoint._copysum "
+                             "was not built (install with a C compiler present)")
+        if native_copy and checksum != "sum64":
+            raise ValueError(f"native_copy computes sum64 checksums, not {checksum!r}")
         if not 0 <= rank < num_ranks:
             raise ValueError(f"rank must be in [0, num_ranks={num_ranks}), got {rank}")
         if num_slots < 2:
@@ -271,6 +299,8 @@ class MemoryTier(Tier):
         self.num_slots = num_slots
         self.checksum = check_algorithm(checksum)
         self.chunk_bytes = chunk_bytes
+        self.native_copy = (NATIVE_COPY_AVAILABLE and checksum == "sum64"
+                            if native_copy is None else native_copy)
         if create:
             if not self.job_dir.parent.parent.is_dir():
                 raise FileNotFoundError(
@@ -326,6 +356,9 @@ class MemoryTier(Tier):
             # Copies read what optimizer.step() just wrote: order them after it.
             self._stream.wait_stream(torch.cuda.current_stream())
         sources = {name: flat_bytes(t) for name, t in tensors.items()}
+        native = self.native_copy and not use_cuda
+        if native:
+            mapped.zero_padding(layout)
         self._active = _Active(
             step=state.step,
             slot=slot,
@@ -337,9 +370,12 @@ class MemoryTier(Tier):
             done=[False] * layout.num_chunks,
             checksums=[None] * layout.num_chunks,
             cuda=use_cuda,
-            # CPU copies go through NumPy views: memcpy, and a checksum of each cache-hot block.
-            sources_np=None if use_cuda else {k: v.numpy() for k, v in sources.items()},
-            region_np=None if use_cuda else mapped.region.numpy(),
+            # CPU copies: one native pass each, or NumPy views (memcpy, then a checksum of each
+            # cache-hot block).
+            sources_np=None if use_cuda or native else {k: v.numpy() for k, v in sources.items()},
+            region_np=None if use_cuda or native else mapped.region.numpy(),
+            sources_address={k: v.data_ptr() for k, v in sources.items()} if native else None,
+            region_address=mapped.region.data_ptr(),
         )
         return layout
 
@@ -364,6 +400,10 @@ class MemoryTier(Tier):
                 event.record()
             a.events.append((chunk_id, event))
             self._checksum_completed(a, wait=False)
+        elif a.sources_address is not None:
+            n, a.checksums[chunk_id] = copy_chunk_native(
+                a.layout, chunk_id, a.sources_address, a.region_address
+            )
         else:
             assert a.sources_np is not None and a.region_np is not None
             n, a.checksums[chunk_id] = copy_chunk_checksummed(
@@ -477,10 +517,12 @@ class MemoryTier(Tier):
             self._refresh_records()
             return sorted((r for r in self._records if r is not None), key=lambda r: -r.step)
 
-    def read(self, step: int | None = None) -> StageState:
+    def read(self, step: int | None = None, *, out: torch.Tensor | None = None) -> StageState:
         """This rank's snapshot of ``step`` (default: :meth:`read_latest`), checksums verified.
 
-        The returned tensors share one freshly read buffer, not the shared memory.
+        The returned tensors share one freshly read buffer, not the shared memory: ``out``
+        (a flat ``uint8`` CPU tensor of at least the snapshot's size, reused by a caller that
+        reads again and again) or a new one.
 
         Raises:
             FileNotFoundError: no complete snapshot of ``step`` on this rank.
@@ -489,7 +531,7 @@ class MemoryTier(Tier):
         if step is None:
             return self.read_latest()
         with self.hold(step) as record:
-            return read_snapshot(self.rank_dir, record)
+            return read_snapshot(self.rank_dir, record, out=out)
 
     def read_latest(self) -> StageState:
         """The newest snapshot of this rank that passes its checksums.
@@ -614,17 +656,26 @@ class MemoryTier(Tier):
         return self.rank_dir / f"slot{slot}.json"
 
 
-def read_snapshot(rank_dir: Path, record: SnapshotRecord) -> StageState:
+def read_snapshot(rank_dir: Path, record: SnapshotRecord, *,
+                  out: torch.Tensor | None = None) -> StageState:
     """Read and verify the snapshot ``record`` describes from ``rank_dir``.
 
-    The returned tensors share one freshly read buffer, not the shared memory.
+    The returned tensors share one buffer, not the shared memory: the first bytes of ``out``
+    (a flat ``uint8`` CPU tensor) if given, else a new one.
 
     Raises:
         CorruptSnapshotError: data missing, short, or a chunk failing its checksum (names both).
+        ValueError: ``out`` is too small or not a flat ``uint8`` tensor.
     """
     path = rank_dir / f"slot{record.slot}.bin"
     layout = record.layout
-    buf = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    if out is None:
+        buf = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < layout.total_bytes:
+        raise ValueError(f"out must be a flat uint8 tensor of >= {layout.total_bytes} bytes, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    else:
+        buf = out[: layout.total_bytes]
     try:
         with open(path, "rb") as f:
             n = f.readinto(buf.numpy().data) if layout.total_bytes else 0
