@@ -32,7 +32,10 @@ def test_inspect_lists_both_tiers_and_flags_a_half_written_checkpoint(
         assert main(["inspect", str(ckpt), "--json"]) == 0
         records = json.loads(capsys.readouterr().out)
         memory = [r for r in records if r["tier"] == "memory"]
-        assert [r["step"] for r in memory if r["valid"]] == [3]  # snapshot 4 was unfinished
+        valid = [r["step"] for r in memory if r["valid"]]
+        # Snapshot 3 is complete everywhere and 4 was unfinished. Step 2 survives where its slot
+        # was still pinned for the persist helper (which reads it once it has started up).
+        assert 3 in valid and 4 not in valid and set(valid) <= {2, 3}, valid
         assert all(r["num_ranks"] == 2 for r in memory)
         bad = [r for r in records if r["step"] == 99]
         assert bad and not bad[0]["valid"] and "no commit marker" in bad[0]["reason"]

@@ -25,11 +25,9 @@ different layout (stages x replicas) is restored from the durable tier, which re
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import shutil
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -63,6 +61,7 @@ __all__ = [
 ]
 
 CHECKPOINT_MODES: tuple[str, ...] = ("none", "sync", "background", "dcp-async", "bubble")
+THREAD_PERSIST_MODES = ("background", "dcp-async")
 
 
 class CheckpointableJob(Protocol):
@@ -185,8 +184,11 @@ class Checkpointer:
         self.strategy: SnapshotStrategy | None = None
         if config.mode == "none":
             return
-        # Collective, same order on every rank: the background persist's own group.
-        persist_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # Collective, same order on every rank: the baselines persist from threads of this
+        # process, on a gloo group of their own (ours persists from a helper process).
+        persist_group = (dist.new_group(backend="gloo")
+                         if dist.is_initialized() and config.mode in THREAD_PERSIST_MODES
+                         else None)
         self.durable = DurableTier(config.ckpt_dir, process_group=persist_group,
                                    keep_last=config.keep_last)
         self.memory = MemoryTier(config.job_id or job_id_for(config.ckpt_dir), self.rank,
@@ -319,8 +321,8 @@ class BubbleStrategy(SnapshotStrategy):
     * ``before_step()``: only if the bubbles did not hold it all: copies the rest and writes
       the record (blocking, counted in ``ckpt_blocking_s``).
 
-    The persist thread runs at the lowest CPU priority, so that it, too, mostly uses time the
-    training thread leaves free.
+    The persist runs in a helper process that only gets CPU time the ranks leave idle (see
+    ``persist.py``): it, too, mostly uses the bubbles, and never holds the training GIL.
     """
 
     name = "bubble"
@@ -330,12 +332,8 @@ class BubbleStrategy(SnapshotStrategy):
         self.owner = owner
         self.memory = owner.memory
         self.copier = SnapshotCopier(owner.memory)
+        # A helper process that runs in idle CPU time (see persist.py): collective.
         self.persister = BackgroundPersister(owner.memory, owner.durable)
-        # The persist (reading a snapshot back, DCP serialisation, writes) is CPU work that
-        # would compete with training where ranks fill the cores; at the lowest priority it
-        # runs mostly in the time the training thread leaves free, i.e. in the bubbles.
-        # (BackgroundPersister has no public handle on its thread yet, hence _thread.)
-        self._run_when_idle(self.persister._thread)
         self.active: int | None = None
         self.chunk_sizes: tuple[int, ...] = ()
         self.finished: int | None = None
@@ -344,20 +342,6 @@ class BubbleStrategy(SnapshotStrategy):
         # The commit marker is written by a process that sees every rank's files: on one node.
         self.commits = owner.rank == 0 and os.environ.get(
             "LOCAL_WORLD_SIZE", str(owner.num_ranks)) == str(owner.num_ranks)
-
-    @staticmethod
-    def _run_when_idle(thread: threading.Thread) -> None:
-        """Lower ``thread`` to the lowest CPU priority (nice 19; Linux sets it per thread).
-
-        It then gets a core mostly when the training thread waits (bubbles, receives) and still
-        progresses when other processes keep the cores busy (``SCHED_IDLE`` could starve it).
-        Without the permission, or off Linux, the thread keeps its priority.
-        """
-        tid = thread.native_id
-        if tid is None or not hasattr(os, "setpriority"):
-            return
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
 
     def after_step(self, step: int) -> None:
         self.persister.raise_if_failed()
