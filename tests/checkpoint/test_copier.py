@@ -47,14 +47,20 @@ def test_deferred_start_captures_in_the_first_bubble_and_the_record_follows_the_
         calls.append(1)
         return state
 
+    assert not copier.has_work()
     assert copier.start(capture) is None and calls == [] and tier.active_step is None
+    # has_work() says whether run_one() has something to do; the runtime asks it at every wait.
+    assert copier.has_work()
     assert copier.run_one() and calls == [1] and tier.active_step == 2  # capture + begin
     num_chunks = len(tier.pending_chunks())
     assert num_chunks > 1 and tier.pending_chunks() == list(range(num_chunks))
     for _ in range(num_chunks):
+        assert copier.has_work()
         assert copier.run_one() and tier.steps() == []
     assert copier.take_report() is None  # all copied, no record yet
+    assert copier.has_work()
     assert copier.run_one() and tier.steps() == [2]  # the record, still inside the bubble
+    assert not copier.has_work()
     assert not copier.run_one()
     report = copier.take_report()
     assert report is not None and report.num_chunks_in_bubbles == num_chunks

@@ -140,6 +140,10 @@ class SnapshotStrategy(ABC):
 
     name: str = ""
 
+    def has_work(self) -> bool:
+        """Whether ``run_one`` has bubble work to do (the default: never)."""
+        return False
+
     def run_one(self) -> bool:
         """Do one unit of bubble work; False when there is none (the default)."""
         return False
@@ -217,6 +221,10 @@ class Checkpointer:
                                           "layout": self.layout_tag()})
 
     # ------------------------------------------------------------- StepHooks
+
+    def has_work(self) -> bool:
+        """Whether the strategy has bubble work (see :class:`~bubbleguard.pipeline.runtime.StepHooks`)."""
+        return self.strategy.has_work() if self.strategy else False
 
     def run_one(self) -> bool:
         """Bubble work of the strategy (see :class:`bubbleguard.pipeline.runtime.StepHooks`)."""
@@ -354,6 +362,9 @@ class BubbleStrategy(SnapshotStrategy):
                                                  "layout": owner.layout_tag()})
             self.copier.start(pending.complete)
             self.active = step
+
+    def has_work(self) -> bool:
+        return self.copier.has_work() or (self.commits and bool(self.to_commit))
 
     def run_one(self) -> bool:
         if self.copier.run_one():

@@ -91,6 +91,11 @@ class SnapshotCopier:
         self._pending.reverse()  # pop() from the end yields ids in ascending order
         return layout
 
+    def has_work(self) -> bool:
+        """Whether :meth:`run_one` would do something (begin, a chunk or the record)."""
+        return (self._deferred is not None or bool(self._pending)
+                or (self.tier.active_step is not None and self._report is None))
+
     def run_one(self) -> bool:
         """Do the next unit of the snapshot: begin, one chunk, or the record at the end.
 

@@ -55,12 +55,22 @@ _HEADER_LEN = 10
 class StepHooks(Protocol):
     """What a checkpointer plugs into the runtime; called on every rank's training thread.
 
-    Per iteration: ``run_one`` any number of times while the stage waits on a receive, then
-    ``before_step`` at the ``CHECKPOINT`` action (just before the optimizer step: the state must
-    not change under an unfinished snapshot), then ``after_step`` right after the optimizer step.
-    Time spent in ``before_step`` and ``after_step`` is checkpoint overhead (``ckpt_blocking_s``);
-    time in ``run_one`` hides in bubbles (``ckpt_bubble_s``).
+    Per iteration: at every receive ``has_work``, and if it says so ``run_one`` any number of
+    times while the stage waits, then ``before_step`` at the ``CHECKPOINT`` action (just before
+    the optimizer step: the state must not change under an unfinished snapshot), then
+    ``after_step`` right after the optimizer step. Time spent in ``before_step`` and
+    ``after_step`` is checkpoint overhead (``ckpt_blocking_s``); time in ``run_one`` hides in
+    bubbles (``ckpt_bubble_s``).
     """
+
+    def has_work(self) -> bool:
+        """Whether ``run_one`` has anything to do now (cheap; asked before every receive).
+
+        False lets the runtime wait on the receive directly. Waiting while working goes through a
+        helper thread (see ``_RecvWaiter``), a hand-off that costs tens of microseconds per
+        receive, which a stage whose data is already there would otherwise pay for nothing.
+        """
+        ...
 
     def run_one(self) -> bool:
         """Do one short unit of work (copy a chunk); return False when there is nothing to do."""
@@ -203,7 +213,7 @@ class PipelineJob:
 
     def _wait_recv(self, work: dist.Work, action: Action, index: int) -> None:
         start = time.perf_counter()
-        if self.hooks is None:
+        if self.hooks is None or not self.hooks.has_work():
             work.wait()
         else:
             if self._waiter is None:
