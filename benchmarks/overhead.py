@@ -1,37 +1,58 @@
 """Checkpoint overhead of every mode against no checkpoints, and snapshot copy bandwidth.
 
-    python benchmarks/overhead.py                 # full size (~8 min), writes benchmarks/results/overhead.json
+    python benchmarks/overhead.py                 # full size (~9 min), writes benchmarks/results/overhead.json
     python benchmarks/overhead.py --tiny --out D  # seconds; what the test suite runs
 
 Setup: 2 pipeline stages x 1 thread (one rank per core), 1F1B with 4 microbatches, the built-in GPT
 sized so that one stage's state (parameters + AdamW state) is tens of MB; a snapshot every
-iteration (``--ckpt-every 1``) and a durable persist every 10 (``--persist-every 10``) for every
-mode. The modes run interleaved: each round runs every mode once, in an order rotated by one per
-round, so that drift of the machine (other load, thermal, page cache) spreads over all modes.
+iteration and a durable persist every 10 for every mode (``--ckpt-every 1 --persist-every 10``).
 
-Reported per mode, over the steps after the warm-up of each run, on the last stage (which
-reports the step times):
+Method: the modes take turns inside *one* training job (one torchrun launch), in blocks of 10
+steps. On a shared machine the speed drifts by 10% and more from one run to the next (on the dev
+VM two ``none`` runs minutes apart had median steps of 237 and 273 ms), which buries a 1% effect
+when every mode is a run of its own; and single steps vary by about 5% (white noise), so a 1%
+question needs hundreds of steps per mode. A round is ``none, bubble, none, b`` for every
+baseline ``b`` (rotated by one per round): ``bubble`` and ``none`` get the most blocks, always
+next to each other in time. A warm-up round of every mode (first snapshots map their shared
+memory, the persist helpers start) is not measured. Each block covers steps 10j .. 10j+9 and is
+one period of "persist every 10":
 
-* step time: median, 25th/75th percentile and mean over all rounds;
-* overhead vs ``none``: per round, the mode's median step time over ``none``'s in the same round,
-  minus 1; the table shows the median over rounds and the [min, max] spread, and the overhead of
-  the mean step time (which, unlike the median, includes the steps a persist lands on);
-* ``ckpt_blocking_s``: median per step of the time the training thread spent in checkpoint hooks
-  (``after_step`` + ``before_step``), for each rank, from the runs' timelines.
+* its first step carries no work of its mode yet (its first snapshot is taken at the end of it)
+  and absorbs the switch from the previous mode, so it is not measured;
+* each of the other 9 steps carries exactly one snapshot's work (for ``bubble``: the copies of
+  the previous step's snapshot and the capture of its own), and the block's one durable persist
+  (of step 10j) runs during them;
+* then the mode's ``Checkpointer.flush()`` finishes the snapshot in flight and waits for queued
+  durable writes. Its time is reported (``flush_s``), not counted: it holds the copies the next
+  step would make; a persist that spilled past the block would show here.
 
-Copy bandwidth, measured in this process (1 thread, like a rank) on a stage's real state: the
-snapshot copy as the bubble copier does it (shared-memory chunk copy including the per-chunk
-checksum, ``SnapshotCopier.bandwidth_bytes_per_s``), its copy and checksum parts alone, and a
-plain ``Tensor.copy_`` of the same bytes into a preallocated buffer.
+Reported per mode, over the measured steps of all rounds, on the last stage (which reports the
+step times, as ``bubbleguard train`` does):
+
+* step time: mean, median, 25th/75th percentile;
+* overhead vs ``none``: the mode's mean step over ``none``'s mean step, minus 1, pooled over the
+  rounds with a 95% bootstrap interval (rounds resampled); and per round (the same ratio within
+  one round, against that round's ``none`` blocks), with the median and [min, max] over rounds.
+  Means, not medians: the steps a persist slows are part of the cost;
+* ``ckpt_blocking_s``: mean per step of the time each rank's training thread spent in checkpoint
+  hooks (``after_step`` + ``before_step``); ``ckpt_bubble_s``: the same for the work done while
+  waiting on receives.
+
+Copy bandwidth, measured in this process (1 thread, like a rank) on a stage's real state, each
+method after a pass over 256 MiB that evicts the caches, in alternating order: the snapshot copy as
+the bubble copier does it (into shared memory, with the per-chunk checksum; timed by
+``SnapshotCopier.bandwidth_bytes_per_s``), a plain ``Tensor.copy_`` of the same tensors into
+preallocated buffers, and ``memcpy`` (through NumPy).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
-import shutil
+import random
 import statistics
 import tempfile
 import time
@@ -39,78 +60,130 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from bubbleguard.checkpoint.checksum import checksum
+from bubbleguard.checkpoint.checkpointer import (
+    CheckpointConfig,
+    Checkpointer,
+    job_id_for,
+)
 from bubbleguard.checkpoint.copier import SnapshotCopier
 from bubbleguard.checkpoint.layout import flat_bytes
 from bubbleguard.checkpoint.state import StageState, capture_state
-from bubbleguard.checkpoint.tiers.shm import MemoryTier
-from bubbleguard.elastic.launcher import LaunchError
+from bubbleguard.checkpoint.tiers.shm import MemoryTier, remove_job
+from bubbleguard.elastic.launcher import launch_local
 from bubbleguard.models import build_model, model_config, model_seq_len
 from bubbleguard.pipeline.stage import split
-from bubbleguard.pipeline.timeline import EventKind, TimelineEvent
-from bubbleguard.train import TrainConfig, run_local
+from bubbleguard.train import TrainConfig, run_local, start_rank
 
 MODES = ("none", "sync", "background", "dcp-async", "bubble")
-BLOCKING_EVENTS = ("CKPT begin", "CKPT finish")
+BLOCK_STEPS = 10  # one block = one persist period
+EVICT_BYTES = 256 << 20
 
 
 def _size(tiny: bool) -> dict[str, Any]:
     if tiny:
-        return {"width": 32, "layers": 2, "steps": 5, "warmup": 2, "rounds": 1,
-                "persist_every": 2, "microbatches": 4, "batch_size": 8}
-    return {"width": 384, "layers": 4, "steps": 30, "warmup": 5, "rounds": 3,
-            "persist_every": 10, "microbatches": 4, "batch_size": 16}
+        return {"width": 32, "layers": 2, "rounds": 1, "microbatches": 4, "batch_size": 8}
+    return {"width": 384, "layers": 4, "rounds": 20, "microbatches": 4, "batch_size": 16}
 
 
-# ------------------------------------------------------------------------------- training runs
+def _train_config(size: dict[str, Any], steps: int, run_dir: str) -> TrainConfig:
+    return TrainConfig(model="gpt", stages=2, microbatches=size["microbatches"],
+                       batch_size=size["batch_size"], schedule="1f1b", steps=steps,
+                       model_options={"d_model": size["width"], "num_layers": size["layers"]},
+                       run_dir=run_dir, threads=1, progress=False)
 
 
-def run_mode(mode: str, size: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """One training run of ``mode``; step times (last stage) and blocking time per rank/step."""
-    run_dir = workdir / f"run-{mode}"
-    ckpt_dir = workdir / f"ckpt-{mode}"
-    metrics = workdir / f"metrics-{mode}.jsonl"
-    cfg = TrainConfig(model="gpt", stages=2, microbatches=size["microbatches"],
-                      batch_size=size["batch_size"], schedule="1f1b", steps=size["steps"],
-                      model_options={"d_model": size["width"], "num_layers": size["layers"]},
-                      run_dir=str(run_dir), metrics=str(metrics), threads=1, progress=False,
-                      ckpt=mode, ckpt_dir="" if mode == "none" else str(ckpt_dir),
-                      ckpt_every=1, persist_every=size["persist_every"])
-    start = time.perf_counter()
-    failed = []
-    for _attempt in range(2):
-        try:
-            result = run_local(cfg)
-            break
-        except LaunchError as e:  # report it and run the mode again, once
-            print(f"{mode}: run failed ({e}); running it again", flush=True)
-            failed.append(str(e))
-            for path in (run_dir, ckpt_dir):
-                shutil.rmtree(path, ignore_errors=True)
-            metrics.unlink(missing_ok=True)
-    else:
-        raise RuntimeError(f"mode {mode} failed twice: {failed}")
-    wall_s = time.perf_counter() - start
-    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-    measured = [r for r in lines if r["step"] > size["warmup"]]
-    blocking = _blocking_per_rank(result.events, size["warmup"], size["steps"])
-    for path in (run_dir, ckpt_dir, metrics):
-        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-    return {"step_times_s": [r["step_time_s"] for r in measured],
-            "losses": [r["loss"] for r in lines],
-            "blocking_s": blocking, "wall_s": wall_s, "failed_attempts": failed}
+def block_order(modes: Sequence[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, mode) of every block: a warm-up round (-1) of every mode, then the rounds.
+
+    A round is ``none, bubble, none, b`` for every baseline ``b`` (in an order rotated by one
+    per round), or ``none, bubble, none`` without baselines. ``bubble`` gets as many blocks as
+    the baselines together, ``none`` twice that, next to them in time: the <= 1% question needs
+    the precision, the baselines' tens of percent do not.
+    """
+    order = [(-1, m) for m in modes]
+    baselines = [m for m in modes if m not in ("none", "bubble")]
+    for r in range(rounds):
+        k = r % len(baselines) if baselines else 0
+        for b in (*baselines[k:], *baselines[:k]) or (None,):
+            order += [(r, "none"), (r, "bubble"), (r, "none")] + ([(r, b)] if b else [])
+    return order
 
 
-def _blocking_per_rank(events: Sequence[TimelineEvent], warmup: int, steps: int,
-                       ) -> dict[str, list[float]]:
-    per: dict[int, list[float]] = {}
-    for e in events:
-        per.setdefault(e.rank, [0.0] * (steps + 1))
-        if e.kind == EventKind.CHECKPOINT and e.name in BLOCKING_EVENTS:
-            per[e.rank][e.step] += e.duration_s
-    return {str(rank): values[warmup + 1:] for rank, values in sorted(per.items())}
+# ------------------------------------------------------------------------------- training job
+
+
+def bench_worker(cfg: TrainConfig, modes: Sequence[str], rounds: int, ckpt_root: str,
+                 ) -> dict[str, Any]:
+    """One rank of the interleaved job: every mode's blocks in turn (see the module docstring)."""
+    ranked = start_rank(cfg)
+    job = ranked.job
+    ckpts = {mode: Checkpointer(job, CheckpointConfig(mode=mode, ckpt_dir=f"{ckpt_root}/ckpt-{mode}",
+                                                      every=1, persist_every=BLOCK_STEPS,
+                                                      keep_last=2),
+                                data_state=ranked.batches.state_dict)
+             for mode in modes if mode != "none"}
+    job.detach_hooks()
+    blocks: list[dict[str, Any]] = []
+    losses: list[float | None] = []
+
+    def step() -> tuple[float, dict[str, float]]:
+        inputs, targets = ranked.next_batch(cfg)
+        start = time.perf_counter()
+        losses.append(job.step(inputs, targets))
+        return time.perf_counter() - start, dict(job.last_stats)
+
+    for _ in range(BLOCK_STEPS - 1):  # steps 1..9: blocks then start at multiples of 10
+        step()
+    for round_index, mode in block_order(modes, rounds):
+        ckpt = ckpts.get(mode)
+        if ckpt is None:
+            job.detach_hooks()
+        else:
+            job.attach_hooks(ckpt)
+        first = job.step_count + 1
+        times, blocking, in_bubbles = [], [], []
+        for _ in range(BLOCK_STEPS):
+            dt, stats = step()
+            times.append(dt)
+            blocking.append(stats["ckpt_blocking_s"])
+            in_bubbles.append(stats["ckpt_bubble_s"])
+        start = time.perf_counter()
+        if ckpt is not None:
+            ckpt.flush()
+        flush_s = time.perf_counter() - start
+        blocks.append({"round": round_index, "mode": mode, "first_step": first,
+                       "step_times_s": times[1:], "blocking_s": blocking[1:],
+                       "bubble_s": in_bubbles[1:], "flush_s": flush_s})
+    for ckpt in ckpts.values():
+        ckpt.close()
+    job.close()
+    torch.distributed.destroy_process_group()
+    return {"rank": ranked.rank, "blocks": blocks, "losses": losses}
+
+
+def run_interleaved(size: dict[str, Any], modes: Sequence[str], workdir: Path, ckpt_root: Path,
+                    ) -> tuple[list[dict[str, Any]], list[float]]:
+    """Launch the interleaved job; per block: rank 1's step times, both ranks' checkpoint
+    time (blocking, in bubbles, flush)."""
+    rounds = size["rounds"]
+    steps = BLOCK_STEPS - 1 + BLOCK_STEPS * len(block_order(modes, rounds))
+    cfg = _train_config(size, steps, str(workdir / "run"))
+    try:
+        results = launch_local(bench_worker, (cfg, tuple(modes), rounds, str(ckpt_root)), 2,
+                               threads_per_rank=1)
+    finally:
+        for mode in modes:
+            remove_job(job_id_for(str(ckpt_root / f"ckpt-{mode}")))
+    last = results[1]
+    blocks = []
+    for b0, b1 in zip(results[0]["blocks"], last["blocks"], strict=True):
+        assert (b0["mode"], b0["first_step"]) == (b1["mode"], b1["first_step"])
+        blocks.append({**b1, **{key: {"0": b0[key], "1": b1[key]}
+                                for key in ("blocking_s", "bubble_s", "flush_s")}})
+    return blocks, [float(x) for x in last["losses"]]
 
 
 # ------------------------------------------------------------------------------ copy bandwidth
@@ -129,25 +202,23 @@ def _stage_state(size: dict[str, Any]) -> StageState:
 
 
 def measure_bandwidth(size: dict[str, Any], repeats: int) -> dict[str, Any]:
-    """Snapshot copy (chunk copy + checksum, as the copier times it) against plain copies.
+    """Snapshot copy against plain copies of the same bytes, each from cold caches.
 
-    All in this process with one thread, like a rank. The plain copies write the same bytes into
-    an ordinary buffer that was touched before (as the reused shared-memory slots are):
-    ``Tensor.copy_`` per tensor, and ``memcpy`` (through NumPy) per tensor. A separate checksum
-    pass over the same bytes shows what fusing the checksum into the copy saves.
+    All in this process with one thread, like a rank. The plain copies write into ordinary
+    buffers that were touched before (as the reused shared-memory slots are).
     """
     torch.set_num_threads(1)
     state = _stage_state(size)
     tensors = state.all_tensors()
     total = state.num_bytes
-    plain_dst = {k: torch.empty_like(v) for k, v in tensors.items()}
+    plain_dst = {k: torch.zeros_like(v) for k, v in tensors.items()}
     memcpy_src = {k: flat_bytes(v).numpy() for k, v in tensors.items()}
     memcpy_dst = {k: flat_bytes(v).numpy() for k, v in plain_dst.items()}
-    flat = torch.zeros(-(-total // 8) * 8, dtype=torch.uint8)
-    runs: dict[str, list[float]] = {"snapshot": [], "plain": [], "memcpy": [], "checksum": []}
+    evict = np.zeros(EVICT_BYTES, dtype=np.uint8)
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as shm:
         tier = MemoryTier("overhead-bench", 0, root=shm)
-        for _ in range(repeats + 1):  # the first round maps and touches the pages
+
+        def snapshot() -> float:
             # As the runtime does it: one chunk per run_one call, timed by the copier.
             copier = SnapshotCopier(tier)
             copier.start(state)
@@ -155,29 +226,39 @@ def measure_bandwidth(size: dict[str, Any], repeats: int) -> dict[str, Any]:
                 pass
             copier.finish()
             assert copier.bandwidth_bytes_per_s is not None
-            runs["snapshot"].append(copier.bandwidth_bytes_per_s)
+            return copier.bandwidth_bytes_per_s
+
+        def plain() -> float:
             t0 = time.perf_counter()
             for name, src in tensors.items():
                 plain_dst[name].copy_(src)
-            runs["plain"].append(total / (time.perf_counter() - t0))
+            return total / (time.perf_counter() - t0)
+
+        def memcpy() -> float:
             t0 = time.perf_counter()
             for name, src_np in memcpy_src.items():
                 memcpy_dst[name][:] = src_np
-            runs["memcpy"].append(total / (time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            for start in range(0, flat.numel(), tier.chunk_bytes):
-                checksum(flat[start:start + tier.chunk_bytes], tier.checksum)
-            runs["checksum"].append(flat.numel() / (time.perf_counter() - t0))
+            return total / (time.perf_counter() - t0)
+
+        methods = {"snapshot": snapshot, "plain": plain, "memcpy": memcpy}
+        runs: dict[str, list[float]] = {k: [] for k in methods}
+        for f in methods.values():  # the first round maps and touches the pages
+            f()
+        for i in range(repeats):
+            names = list(methods) if i % 2 == 0 else list(reversed(methods))
+            for name in names:
+                evict[::64] += 1  # one write per cache line: the caches now hold other data
+                runs[name].append(methods[name]())
+        chunk_bytes = tier.chunk_bytes
         tier.cleanup()
-    med = {k: statistics.median(v[1:]) for k, v in runs.items()}
-    return {"state_bytes": total, "repeats": repeats, "chunk_bytes": tier.chunk_bytes,
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {"state_bytes": total, "repeats": repeats, "chunk_bytes": chunk_bytes,
             "snapshot_bytes_per_s": med["snapshot"],
             "plain_copy_bytes_per_s": med["plain"],
             "memcpy_bytes_per_s": med["memcpy"],
-            "separate_checksum_bytes_per_s": med["checksum"],
             "snapshot_vs_plain": med["snapshot"] / med["plain"],
             "snapshot_vs_memcpy": med["snapshot"] / med["memcpy"],
-            "all_runs_bytes_per_s": {k: v[1:] for k, v in runs.items()}}
+            "all_runs_bytes_per_s": runs}
 
 
 # ---------------------------------------------------------------------------------- reporting
@@ -185,50 +266,79 @@ def measure_bandwidth(size: dict[str, Any], repeats: int) -> dict[str, Any]:
 
 def _quantiles(values: Sequence[float]) -> dict[str, float]:
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return {"median": statistics.median(values), "p25": q[0], "p75": q[2],
-            "mean": statistics.fmean(values)}
+    return {"mean": statistics.fmean(values), "median": statistics.median(values),
+            "p25": q[0], "p75": q[2]}
 
 
-def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per mode: step-time quantiles, overhead vs ``none`` (per round and pooled), blocking."""
+def _bootstrap_overhead(per_round: list[tuple[list[float], list[float]]], samples: int = 2000,
+                        ) -> tuple[float, float]:
+    """95% interval of pooled mean(mode) / mean(none) - 1, resampling rounds."""
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(samples):
+        pick = [per_round[rng.randrange(len(per_round))] for _ in per_round]
+        mode = [t for m, _ in pick for t in m]
+        none = [t for _, n in pick for t in n]
+        ratios.append(statistics.fmean(mode) / statistics.fmean(none) - 1)
+    ratios.sort()
+    return ratios[int(0.025 * samples)], ratios[int(0.975 * samples) - 1]
+
+
+def summarize(blocks: list[dict[str, Any]], modes: Sequence[str]) -> dict[str, Any]:
+    """Per mode: step-time quantiles, overhead vs ``none`` (pooled and per round), blocking."""
+    measured = [b for b in blocks if b["round"] >= 0]
+    rounds = sorted({b["round"] for b in measured})
+
+    def of(r: int, mode: str, key: str, rank: str | None = None) -> list[float]:
+        """The values of ``key`` over the blocks of ``mode`` in round ``r``, concatenated."""
+        return [x for b in measured if b["round"] == r and b["mode"] == mode
+                for x in (b[key] if rank is None else b[key][rank])]
+
     out: dict[str, Any] = {}
-    for mode in MODES:
-        times = [t for r in rounds for t in r["runs"][mode]["step_times_s"]]
-        per_round = [statistics.median(r["runs"][mode]["step_times_s"])
-                     / statistics.median(r["runs"]["none"]["step_times_s"]) - 1 for r in rounds]
-        per_round_mean = [statistics.fmean(r["runs"][mode]["step_times_s"])
-                          / statistics.fmean(r["runs"]["none"]["step_times_s"]) - 1
-                          for r in rounds]
-        ranks = sorted(rounds[0]["runs"][mode]["blocking_s"])
-        blocking = {rank: statistics.median(
-            [b for r in rounds for b in r["runs"][mode]["blocking_s"][rank]]) for rank in ranks}
-        blocking_mean = {rank: statistics.fmean(
-            [b for r in rounds for b in r["runs"][mode]["blocking_s"][rank]]) for rank in ranks}
+    for mode in modes:
+        times = [t for r in rounds for t in of(r, mode, "step_times_s")]
+        none = [t for r in rounds for t in of(r, "none", "step_times_s")]
+        pairs = [(of(r, mode, "step_times_s"), of(r, "none", "step_times_s")) for r in rounds]
+        per_round = [statistics.fmean(m) / statistics.fmean(n) - 1 for m, n in pairs]
+        low, high = _bootstrap_overhead(pairs) if len(rounds) > 1 else (per_round[0],) * 2
+        ranks = ["0", "1"]
         out[mode] = {
             "num_steps": len(times),
             "step_time_s": _quantiles(times),
-            "overhead": {"median": statistics.median(per_round), "min": min(per_round),
-                         "max": max(per_round), "per_round": per_round,
-                         "mean_step": statistics.median(per_round_mean)},
-            "ckpt_blocking_s": {"median": blocking, "mean": blocking_mean},
+            "overhead": {"pooled_mean": statistics.fmean(times) / statistics.fmean(none) - 1,
+                         "ci95": [low, high],
+                         "median_of_rounds": statistics.median(per_round),
+                         "min": min(per_round), "max": max(per_round), "per_round": per_round},
+            "ckpt_blocking_s": {rank: statistics.fmean(
+                [x for r in rounds for x in of(r, mode, "blocking_s", rank)]) for rank in ranks},
+            "ckpt_bubble_s": {rank: statistics.fmean(
+                [x for r in rounds for x in of(r, mode, "bubble_s", rank)]) for rank in ranks},
+            "flush_s": {rank: statistics.median(
+                [b["flush_s"][rank] for b in measured if b["mode"] == mode]) for rank in ranks},
         }
     return out
 
 
 def goals(modes: dict[str, Any], bandwidth: dict[str, Any]) -> dict[str, Any]:
     """The issue's three goals, as measured."""
-    bubble, dcp = modes["bubble"], modes["dcp-async"]
-    max_block = {m: max(modes[m]["ckpt_blocking_s"]["mean"].values()) for m in ("bubble",
-                                                                                  "dcp-async")}
-    overhead_ratio = (dcp["overhead"]["median"] / bubble["overhead"]["median"]
-                      if bubble["overhead"]["median"] > 0 else float("inf"))
+    bubble = modes["bubble"]["overhead"]
+    if "dcp-async" not in modes:
+        return {"bubble_overhead": bubble["pooled_mean"], "bubble_overhead_ci95": bubble["ci95"],
+                "bubble_overhead_le_1pct": bubble["pooled_mean"] <= 0.01,
+                "snapshot_vs_plain_copy": bandwidth["snapshot_vs_plain"],
+                "bandwidth_ge_80pct": bandwidth["snapshot_vs_plain"] >= 0.8}
+    dcp = modes["dcp-async"]["overhead"]
+    ratio = (dcp["pooled_mean"] / bubble["pooled_mean"] if bubble["pooled_mean"] > 0
+             else float("inf"))
+    max_block = {m: max(modes[m]["ckpt_blocking_s"].values()) for m in ("bubble", "dcp-async")}
     return {
-        "bubble_overhead_median": bubble["overhead"]["median"],
-        "bubble_overhead_le_1pct": bubble["overhead"]["median"] <= 0.01,
-        "dcp_async_over_bubble_overhead": overhead_ratio,
+        "bubble_overhead": bubble["pooled_mean"],
+        "bubble_overhead_ci95": bubble["ci95"],
+        "bubble_overhead_le_1pct": bubble["pooled_mean"] <= 0.01,
+        "dcp_async_over_bubble_overhead": ratio,
         "dcp_async_over_bubble_blocking": (max_block["dcp-async"] / max_block["bubble"]
                                            if max_block["bubble"] > 0 else float("inf")),
-        "bubble_5x_below_dcp_async": overhead_ratio >= 5,
+        "bubble_5x_below_dcp_async": ratio >= 5,
         "snapshot_vs_plain_copy": bandwidth["snapshot_vs_plain"],
         "bandwidth_ge_80pct": bandwidth["snapshot_vs_plain"] >= 0.8,
     }
@@ -236,24 +346,23 @@ def goals(modes: dict[str, Any], bandwidth: dict[str, Any]) -> dict[str, Any]:
 
 def table(modes: dict[str, Any], bandwidth: dict[str, Any]) -> str:
     """The printed table."""
-    lines = [f"{'mode':>10} {'step ms':>8} {'p25-p75 ms':>13} {'overhead':>9} "
-             f"{'[min, max]':>17} {'mean ovh':>9} {'blocking ms (rank0/rank1)':>26}"]
+    lines = [f"{'mode':>10} {'mean ms':>8} {'median':>7} {'overhead':>9} {'95% CI':>17} "
+             f"{'rounds [min, max]':>19} {'blocking ms r0/r1':>18} {'flush ms r0/r1':>15}"]
     for mode, m in modes.items():
         st, ov = m["step_time_s"], m["overhead"]
-        block = "/".join(f"{v * 1e3:.2f}" for v in m["ckpt_blocking_s"]["median"].values())
-        lines.append(f"{mode:>10} {st['median'] * 1e3:8.1f} "
-                     f"{st['p25'] * 1e3:6.1f}-{st['p75'] * 1e3:<6.1f} {ov['median']:9.2%} "
-                     f"[{ov['min']:+7.2%}, {ov['max']:+7.2%}] {ov['mean_step']:9.2%} "
-                     f"{block:>26}")
+        block = "/".join(f"{v * 1e3:.2f}" for v in m["ckpt_blocking_s"].values())
+        flush = "/".join(f"{v * 1e3:.0f}" for v in m["flush_s"].values())
+        lines.append(f"{mode:>10} {st['mean'] * 1e3:8.1f} {st['median'] * 1e3:7.1f} "
+                     f"{ov['pooled_mean']:+9.2%} [{ov['ci95'][0]:+6.2%}, {ov['ci95'][1]:+6.2%}] "
+                     f"[{ov['min']:+7.2%}, {ov['max']:+7.2%}] {block:>18} {flush:>15}")
     gb = 1e9
     lines.append(
-        f"copy bandwidth ({bandwidth['state_bytes'] / 1e6:.1f} MB stage state, 1 thread): "
-        f"snapshot (copy + checksum, fused) {bandwidth['snapshot_bytes_per_s'] / gb:.2f} GB/s; "
-        f"plain Tensor.copy_ {bandwidth['plain_copy_bytes_per_s'] / gb:.2f} GB/s "
-        f"(snapshot/plain {bandwidth['snapshot_vs_plain']:.0%}); "
-        f"plain memcpy {bandwidth['memcpy_bytes_per_s'] / gb:.2f} GB/s "
-        f"(snapshot/memcpy {bandwidth['snapshot_vs_memcpy']:.0%}); "
-        f"a separate checksum pass {bandwidth['separate_checksum_bytes_per_s'] / gb:.2f} GB/s")
+        f"copy bandwidth ({bandwidth['state_bytes'] / 1e6:.1f} MB stage state, 1 thread, cold "
+        f"caches): snapshot (copy + checksum into shared memory) "
+        f"{bandwidth['snapshot_bytes_per_s'] / gb:.2f} GB/s; plain Tensor.copy_ "
+        f"{bandwidth['plain_copy_bytes_per_s'] / gb:.2f} GB/s (snapshot/plain "
+        f"{bandwidth['snapshot_vs_plain']:.0%}); memcpy {bandwidth['memcpy_bytes_per_s'] / gb:.2f} "
+        f"GB/s (snapshot/memcpy {bandwidth['snapshot_vs_memcpy']:.0%})")
     return "\n".join(lines)
 
 
@@ -261,68 +370,64 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a few steps of a small model")
-    parser.add_argument("--rounds", type=int, help="rounds of all modes (default 3; tiny 1)")
+    parser.add_argument("--rounds", type=int, help="measured rounds (default 12; tiny 1)")
     parser.add_argument("--out", default="benchmarks/results", help="directory for overhead.json")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated modes to compare (none and bubble always run)")
+    parser.add_argument("--ckpt-root", help="where the modes write their checkpoints (default: a "
+                                            "temporary directory under $TMPDIR)")
     args = parser.parse_args(argv)
+    modes = tuple(m for m in MODES if m in {"none", "bubble", *args.modes.split(",")})
     size = _size(args.tiny)
     if args.rounds:
         size["rounds"] = args.rounds
     started = time.perf_counter()
-    bandwidth_before = measure_bandwidth(size, repeats=1 if args.tiny else 7)
-    rounds: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="bubbleguard-overhead-") as work:
-        for r in range(size["rounds"]):
-            order = list(MODES[r % len(MODES):] + MODES[:r % len(MODES)])
-            runs = {}
-            for mode in order:
-                runs[mode] = run_mode(mode, size, Path(work))
-                times = runs[mode]["step_times_s"]
-                print(f"round {r + 1}/{size['rounds']} {mode:>10}: median step "
-                      f"{statistics.median(times) * 1e3:7.1f} ms ({runs[mode]['wall_s']:.0f} s)",
-                      flush=True)
-            rounds.append({"order": order, "runs": runs})
-    bandwidth_after = measure_bandwidth(size, repeats=1 if args.tiny else 7)
-    bandwidth = (bandwidth_before if bandwidth_before["snapshot_vs_plain"]
-                 <= bandwidth_after["snapshot_vs_plain"] else bandwidth_after)
-    # Losses must not depend on the checkpoint mode: a mode that changed training is a bug.
-    reference = rounds[0]["runs"]["none"]["losses"]
-    changed = [m for r in rounds for m, run in r["runs"].items() if run["losses"] != reference]
-    modes = summarize(rounds)
+    bandwidth = measure_bandwidth(size, repeats=3 if args.tiny else 9)
+    with tempfile.TemporaryDirectory(prefix="bubbleguard-overhead-") as work, \
+            tempfile.TemporaryDirectory(prefix="bubbleguard-overhead-ckpt-",
+                                        dir=args.ckpt_root) as ckpt_root:
+        blocks, losses = run_interleaved(size, modes, Path(work), Path(ckpt_root))
+        identical = None
+        if args.tiny:  # a plain run of the same steps: checkpointing must not change training
+            metrics = Path(work) / "plain.jsonl"
+            run_local(dataclasses.replace(_train_config(size, len(losses), f"{work}/plain"),
+                                          metrics=str(metrics)))
+            plain = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+            identical = plain == losses
+    summary = summarize(blocks, modes)
     doc = {
         "benchmark": "overhead",
-        "command": "python benchmarks/overhead.py" + (" --tiny" if args.tiny else ""),
+        "command": "python benchmarks/overhead.py" + (" --tiny" if args.tiny else "")
+                   + (f" --rounds {args.rounds}" if args.rounds else ""),
         "config": {"model": "gpt", "d_model": size["width"], "num_layers": size["layers"],
                    "stages": 2, "threads_per_rank": 1, "schedule": "1f1b",
                    "microbatches": size["microbatches"], "batch_size": size["batch_size"],
-                   "steps": size["steps"], "warmup_steps": size["warmup"],
-                   "rounds": size["rounds"], "ckpt_every": 1,
-                   "persist_every": size["persist_every"]},
+                   "block_steps": BLOCK_STEPS, "measured_steps_per_block": BLOCK_STEPS - 1,
+                   "rounds": size["rounds"], "ckpt_every": 1, "persist_every": BLOCK_STEPS},
         "torch": torch.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
         "load_average_at_end": list(os.getloadavg()),
         "wall_s": time.perf_counter() - started,
-        "modes": modes,
+        "ckpt_root": args.ckpt_root or tempfile.gettempdir(),
+        "modes": summary,
         "copy_bandwidth": bandwidth,
-        "copy_bandwidth_runs": [bandwidth_before, bandwidth_after],
-        "goals": goals(modes, bandwidth),
-        "losses_identical_across_modes": not changed,
-        "rounds": [{"order": r["order"],
-                    "runs": {m: {k: v for k, v in run.items() if k != "losses"}
-                             for m, run in r["runs"].items()}} for r in rounds],
+        "goals": goals(summary, bandwidth),
+        "losses_equal_plain_run": identical,
+        "blocks": blocks,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(doc, indent=2))
-    print()
-    print(table(modes, bandwidth))
+    print(table(summary, bandwidth))
     g = doc["goals"]
-    print(f"goals: bubble overhead {g['bubble_overhead_median']:.2%} (<= 1%: "
-          f"{g['bubble_overhead_le_1pct']}); dcp-async/bubble overhead "
-          f"{g['dcp_async_over_bubble_overhead']:.1f}x, blocking "
-          f"{g['dcp_async_over_bubble_blocking']:.1f}x (>= 5x: {g['bubble_5x_below_dcp_async']}); "
-          f"snapshot/plain copy {g['snapshot_vs_plain_copy']:.0%} (>= 80%: "
-          f"{g['bandwidth_ge_80pct']})")
-    if changed:
-        print(f"WARNING: losses differ from the 'none' run in modes {sorted(set(changed))}")
+    vs_dcp = (f"dcp-async/bubble overhead {g['dcp_async_over_bubble_overhead']:.1f}x, blocking "
+              f"{g['dcp_async_over_bubble_blocking']:.1f}x (>= 5x: "
+              f"{g['bubble_5x_below_dcp_async']}); " if "dcp-async" in summary else "")
+    print(f"goals: bubble overhead {g['bubble_overhead']:+.2%} (95% CI "
+          f"[{g['bubble_overhead_ci95'][0]:+.2%}, {g['bubble_overhead_ci95'][1]:+.2%}]; <= 1%: "
+          f"{g['bubble_overhead_le_1pct']}); {vs_dcp}snapshot/plain copy "
+          f"{g['snapshot_vs_plain_copy']:.0%} (>= 80%: {g['bandwidth_ge_80pct']})")
+    if identical is False:
+        print("WARNING: the interleaved run's losses differ from a plain run's")
     print(f"written to {out / 'overhead.json'} ({doc['wall_s']:.0f} s)")
 
 

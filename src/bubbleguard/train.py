@@ -41,7 +41,8 @@ from bubbleguard.pipeline.schedules import SCHEDULE_NAMES
 from bubbleguard.pipeline.stage import partition_layers, split
 from bubbleguard.pipeline.timeline import TimelineEvent, load_events, save_events
 
-__all__ = ["RunResult", "TrainConfig", "max_local_ranks", "run_local", "train_worker"]
+__all__ = ["RankJob", "RunResult", "TrainConfig", "max_local_ranks", "run_local", "start_rank",
+           "train_worker"]
 
 
 def max_local_ranks() -> int:
@@ -169,19 +170,38 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-@record
-def train_worker(cfg: TrainConfig) -> dict[str, Any]:
-    """Train on this rank: one stage of one replica. Called once per rank by the launcher.
+@dataclass
+class RankJob:
+    """What :func:`start_rank` sets up on one rank.
 
-    Returns:
-        A small summary (rank, stage, replica, last loss on the last stage).
+    Attributes:
+        job: this rank's pipeline job (its stage, optimizer and schedule).
+        batches: the seeded data iterator (every rank draws the same global batches).
+        rank: global rank.
+        replica: data-parallel replica of this rank.
+    """
+
+    job: PipelineJob
+    batches: TokenBatches
+    rank: int
+    replica: int
+
+    def next_batch(self, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next global batch, cut down to this rank's replica's rows."""
+        inputs, targets = self.batches.next_batch()
+        return inputs.chunk(cfg.replicas)[self.replica], targets.chunk(cfg.replicas)[self.replica]
+
+
+def start_rank(cfg: TrainConfig) -> RankJob:
+    """Join the process group and build this rank's stage, optimizer, job and data.
+
+    Called once per rank, under torchrun (the environment names the rank and the group).
     """
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     layout = cfg.layout
-    stage_index, replica = layout.stage_of(rank), layout.replica_of(rank)
     # Every RNG the process might use, so that separate runs (not only resumed ones) agree.
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -189,7 +209,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
 
     # The whole model is built (identically on every rank), then cut down to this rank's stage.
     model = build_model(cfg.model, seed=cfg.seed, **cfg.model_options)
-    stage = split(model, cfg.stages, stage_index)
+    stage = split(model, cfg.stages, layout.stage_of(rank))
     del model
     optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.lr)
     job = PipelineJob(stage, optimizer, lm_loss, layout=layout, schedule=cfg.schedule,
@@ -200,6 +220,20 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     mcfg = model_config(cfg.model, **cfg.model_options)
     batches = TokenBatches(load_corpus(), window=model_seq_len(mcfg), batch_size=cfg.batch_size,
                            seed=cfg.seed, target=model_target(mcfg))
+    return RankJob(job, batches, rank, layout.replica_of(rank))
+
+
+@record
+def train_worker(cfg: TrainConfig) -> dict[str, Any]:
+    """Train on this rank: one stage of one replica. Called once per rank by the launcher.
+
+    Returns:
+        A small summary (rank, stage, replica, last loss on the last stage).
+    """
+    ranked = start_rank(cfg)
+    job, batches, rank, replica = ranked.job, ranked.batches, ranked.rank, ranked.replica
+    layout = cfg.layout
+    stage_index = layout.stage_of(rank)
 
     # Checkpoints: a restarted group (torchrun restart) always resumes; a new run when asked.
     ckpt = Checkpointer(job, cfg.checkpoint_config, data_state=batches.state_dict)
@@ -223,9 +257,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     plan: dict[str, Any] | None = None
     try:
         for step in range(resumed.step + 1, cfg.steps + 1):
-            inputs, targets = batches.next_batch()
-            inputs = inputs.chunk(cfg.replicas)[replica]
-            targets = targets.chunk(cfg.replicas)[replica]
+            inputs, targets = ranked.next_batch(cfg)
             if fault:
                 fault.maybe_fire(rank, step, "before")
             start = time.perf_counter()

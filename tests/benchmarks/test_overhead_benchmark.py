@@ -19,26 +19,32 @@ def test_overhead_benchmark_tiny(tmp_path: Path) -> None:
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads((tmp_path / "overhead.json").read_text())
-    assert doc["benchmark"] == "overhead" and doc["config"]["stages"] == 2
-    assert doc["config"]["ckpt_every"] == 1 and doc["config"]["threads_per_rank"] == 1
+    cfg = doc["config"]
+    assert doc["benchmark"] == "overhead" and cfg["stages"] == 2
+    assert cfg["ckpt_every"] == 1 and cfg["threads_per_rank"] == 1
+    assert cfg["persist_every"] == cfg["block_steps"] == 10
     assert list(doc["modes"]) == MODES
-    steps = doc["config"]["steps"] - doc["config"]["warmup_steps"]
+    # Switching checkpoint modes every 10 steps leaves training exactly as without checkpoints.
+    assert doc["losses_equal_plain_run"] is True
     for mode, m in doc["modes"].items():
-        assert m["num_steps"] == steps * doc["config"]["rounds"], mode
+        blocks_per_round = {"none": 6, "bubble": 3}.get(mode, 1)
+        assert m["num_steps"] == cfg["measured_steps_per_block"] * cfg["rounds"] * blocks_per_round
+        assert m["ckpt_bubble_s"]["0"] >= 0
         assert m["step_time_s"]["p25"] <= m["step_time_s"]["median"] <= m["step_time_s"]["p75"]
-        assert m["overhead"]["min"] <= m["overhead"]["median"] <= m["overhead"]["max"]
-        assert sorted(m["ckpt_blocking_s"]["median"]) == ["0", "1"]
-    assert doc["modes"]["none"]["overhead"]["per_round"] == [0.0] * doc["config"]["rounds"]
-    assert doc["modes"]["none"]["ckpt_blocking_s"]["median"] == {"0": 0.0, "1": 0.0}
-    assert all(doc["modes"][m]["ckpt_blocking_s"]["mean"]["0"] > 0 for m in MODES[1:])
-    # every round ran every mode once, in a rotated order
-    assert [sorted(r["order"]) for r in doc["rounds"]] == [sorted(MODES)] * len(doc["rounds"])
-    assert doc["losses_identical_across_modes"] is True
+        ov = m["overhead"]
+        assert ov["min"] <= ov["median_of_rounds"] <= ov["max"]
+        assert ov["ci95"][0] <= ov["pooled_mean"] <= ov["ci95"][1]
+        assert sorted(m["ckpt_blocking_s"]) == ["0", "1"]
+    assert doc["modes"]["none"]["overhead"]["per_round"] == [0.0] * cfg["rounds"]
+    assert doc["modes"]["none"]["ckpt_blocking_s"] == {"0": 0.0, "1": 0.0}
+    assert all(doc["modes"][m]["ckpt_blocking_s"]["0"] > 0 for m in MODES[1:])
+    # A warm-up round of every mode, then "none, bubble, none, baseline" for every baseline.
+    blocks = doc["blocks"]
+    assert [b["mode"] for b in blocks if b["round"] == -1] == MODES
+    assert [b["mode"] for b in blocks if b["round"] == 0] == [
+        "none", "bubble", "none", "sync", "none", "bubble", "none", "background",
+        "none", "bubble", "none", "dcp-async"]
+    assert [b["first_step"] % 10 for b in blocks] == [0] * len(blocks)
+    assert [b["first_step"] for b in blocks] == list(range(10, 10 * len(blocks) + 1, 10))
     bw = doc["copy_bandwidth"]
-    assert bw["state_bytes"] > 0
-    for key in ("snapshot_bytes_per_s", "plain_copy_bytes_per_s", "memcpy_bytes_per_s",
-                "separate_checksum_bytes_per_s"):
-        assert bw[key] > 0, key
-    assert set(doc["goals"]) >= {"bubble_overhead_le_1pct", "bubble_5x_below_dcp_async",
-                                 "bandwidth_ge_80pct"}
-    assert "mode" in proc.stdout and "copy bandwidth" in proc.stdout
+    assert bw["snapshot_bytes_per_s"] > 0 and bw["plain_copy_bytes_per_s"] > 0

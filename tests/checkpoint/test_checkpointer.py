@@ -74,3 +74,29 @@ def test_bad_configurations_name_the_problem() -> None:
         CheckpointConfig(mode="bubble")
     with pytest.raises(ValueError, match="--ckpt-every must be >= 1"):
         CheckpointConfig(ckpt_dir="x", every=0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("mode", "durable_step"), [
+    ("bubble", 2),      # the persist of step 2 was due (every 2), snapshot 3 is in memory
+    ("background", 2),  # the same, from its threads
+    ("dcp-async", 3),   # every snapshot is a durable save
+])
+def test_flush_finishes_the_snapshot_and_the_due_persist(tmp_path: Path, mode: str,
+                                                         durable_step: int) -> None:
+    from bubbleguard.checkpoint.tiers.durable import DurableTier
+
+    reference = _train(_job(), Cursor(), 0, 5)
+    (tmp_path / "shm").mkdir()
+    config = CheckpointConfig(mode=mode, ckpt_dir=str(tmp_path / "ckpt"), persist_every=2,
+                              shm_root=str(tmp_path / "shm"))
+    job, cursor = _job(), Cursor()
+    ckpt = Checkpointer(job, config, data_state=cursor.state_dict)
+    losses = _train(job, cursor, 0, 3)
+    ckpt.flush()
+    assert DurableTier(tmp_path / "ckpt").latest() == durable_step
+    if mode == "bubble":
+        assert ckpt.memory is not None and ckpt.memory.valid_steps() == [3, 2]
+    losses += _train(job, cursor, 3, 5)  # training goes on after a flush, unchanged
+    ckpt.close()
+    assert losses == reference

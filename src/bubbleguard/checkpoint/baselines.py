@@ -291,6 +291,12 @@ class BackgroundSnapshot(SnapshotStrategy):
         if every and state.step % every == 0:
             self._submit_persist(state, buf)
 
+    def flush(self) -> None:
+        self.before_step()
+        for future in list(self._persists):
+            future.result()
+        self._collect_persists()
+
     def close(self) -> None:
         self.before_step()
         if self._newest is not None and self._persisted != self._newest[0].step:
@@ -412,6 +418,9 @@ class DcpAsyncSave(SnapshotStrategy):
                                 process_group=durable.group, no_dist=not durable.distributed)
         assert isinstance(upload, Future)  # the default stager blocks: a plain Future comes back
         self._inflight = self._committer.submit(self._commit, state, upload)
+
+    def flush(self) -> None:
+        self._wait()
 
     def close(self) -> None:
         self._wait()

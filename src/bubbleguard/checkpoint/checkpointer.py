@@ -155,6 +155,14 @@ class SnapshotStrategy(ABC):
     def before_step(self) -> None:  # noqa: B027 -- optional hook, nothing to finish by default
         """The optimizer is about to change the state (default: nothing to finish)."""
 
+    def flush(self) -> None:
+        """Finish the snapshot in flight and wait for every queued durable write (all ranks).
+
+        The default finishes the snapshot (``before_step``); strategies with background writes
+        also wait for them.
+        """
+        self.before_step()
+
     def close(self) -> None:  # noqa: B027 -- optional hook
         """Finish outstanding work (all ranks)."""
 
@@ -308,6 +316,17 @@ class Checkpointer:
         self.job.step_count = step
         return ResumeInfo(step, tier)
 
+    def flush(self) -> None:
+        """Finish the snapshot in flight and wait until every queued durable write is done.
+
+        Collective (all ranks). Afterwards the newest snapshot is complete in the memory tier
+        and every persist that was due has finished (committed, or failed and reported). Use it
+        before something that must see the checkpoints, e.g. an evaluation that reads them, or
+        when a pre-emption notice arrives; training may go on afterwards.
+        """
+        if self.strategy is not None:
+            self.strategy.flush()
+
     def close(self) -> None:
         """Finish the snapshot in flight, persist the newest step, wait (all ranks)."""
         if self.strategy is not None:
@@ -408,6 +427,12 @@ class BubbleStrategy(SnapshotStrategy):
             return  # nothing in flight, or the bubbles completed it
         self.copier.finish()
         self._on_complete()
+
+    def flush(self) -> None:
+        self.before_step()
+        if self.commits:
+            self._try_commit()
+        self.persister.wait()
 
     def close(self) -> None:
         self.before_step()  # the snapshot of the last step, if one is in flight

@@ -174,6 +174,7 @@ class PipelineJob:
         self.schedule = (schedule if isinstance(schedule, PipelineSchedule)
                          else build_schedule(schedule, stage.num_stages, num_microbatches))
         validate(self.schedule)
+        self._plain_schedule = self.schedule  # without CHECKPOINT actions (see detach_hooks)
         self.num_microbatches = self.schedule.num_microbatches
         self.actions: tuple[Action, ...] = self.schedule.stages[stage.stage_index]
         self.replica = self.layout.replica_of(self.rank)
@@ -195,9 +196,22 @@ class PipelineJob:
         self._waiter: _RecvWaiter | None = None
 
     def attach_hooks(self, hooks: StepHooks) -> None:
-        """Plug a checkpointer in: adds the ``CHECKPOINT`` action before every ``STEP``."""
+        """Plug a checkpointer in: adds the ``CHECKPOINT`` action before every ``STEP``.
+
+        Replaces hooks attached before (one checkpointer drives a job at a time).
+        """
         self.hooks = hooks
-        self.schedule = with_checkpoint(self.schedule)
+        self.schedule = with_checkpoint(self._plain_schedule)
+        self.actions = self.schedule.stages[self.stage.stage_index]
+
+    def detach_hooks(self) -> None:
+        """Unplug the checkpointer: the next steps run the schedule without checkpoint work.
+
+        Call it between steps, after the checkpointer's ``flush()`` (a snapshot in flight
+        would otherwise never finish). ``attach_hooks`` plugs it (or another) back in.
+        """
+        self.hooks = None
+        self.schedule = self._plain_schedule
         self.actions = self.schedule.stages[self.stage.stage_index]
 
     # ----------------------------------------------------------------- helpers

@@ -1,0 +1,118 @@
+"""The runtime's checkpoint hooks: call order, bubble work only when there is some, detaching."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bubbleguard.models import build_model, lm_loss
+from bubbleguard.pipeline.runtime import PipelineJob
+from bubbleguard.pipeline.schedules import ActionKind
+from bubbleguard.pipeline.stage import split
+
+NUM_STEPS = 4
+
+
+class CountingHooks:
+    """Hooks with ``budget`` units of bubble work per step; every call is logged."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.left = 0
+        self.calls: list[str] = []
+
+    def has_work(self) -> bool:
+        self.calls.append("has_work")
+        return self.left > 0
+
+    def run_one(self) -> bool:
+        if self.left == 0:
+            self.calls.append("run_one idle")  # the waiter asks once more after the last unit
+            return False
+        self.calls.append("run_one")
+        self.left -= 1
+        return True
+
+    def before_step(self) -> None:
+        self.calls.append("before_step")
+
+    def after_step(self, step: int) -> None:
+        self.calls.append(f"after_step {step}")
+        self.left = self.budget  # a snapshot to copy during the next step
+
+
+def _worker(rank: int, store_path: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 256, (8, 16), generator=g), torch.randint(0, 256, (8,),
+                                                                            generator=g))
+               for _ in range(NUM_STEPS)]
+    results = {}
+    for budget in (None, 0, 3):  # no hooks, hooks without work, hooks with 3 units per step
+        stage = split(build_model("mlp", seed=5), 2, rank)
+        job = PipelineJob(stage, torch.optim.SGD(stage.parameters(), lr=0.1), lm_loss,
+                          schedule="1f1b", num_microbatches=4)
+        hooks = CountingHooks(budget) if budget is not None else None
+        if hooks is not None:
+            job.attach_hooks(hooks)
+        losses = [job.step(x, y) for x, y in batches[:2]]
+        calls_attached = list(hooks.calls) if hooks else []
+        job.detach_hooks()
+        plain_actions = [a.kind for a in job.actions]
+        losses += [job.step(x, y) for x, y in batches[2:]]
+        job.close()
+        results[str(budget)] = {"losses": losses, "calls": calls_attached,
+                                "calls_after_detach": list(hooks.calls) if hooks else [],
+                                "checkpoint_action_after_detach":
+                                    ActionKind.CHECKPOINT in plain_actions}
+    dist.barrier()
+    dist.destroy_process_group()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(os.path.join(tmp, "store"), tmp), nprocs=2, join=True)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
+
+
+@pytest.mark.timeout(120)
+def test_hooks_are_called_in_order_and_bubble_work_runs_only_while_there_is_some(
+        results: list[dict]) -> None:
+    for rank in (0, 1):
+        for budget in (0, 3):
+            calls = results[rank][str(budget)]["calls"]
+            # Per step: queries at each receive, bubble work, then before_step and after_step.
+            assert [c for c in calls if not c.startswith(("has_work", "run_one"))] == [
+                "before_step", "after_step 1", "before_step", "after_step 2"]
+            end1, end2 = calls.index("after_step 1"), calls.index("after_step 2")
+            step1, step2 = calls[:end1], calls[end1 + 1:end2]
+            # Step 1: no snapshot yet, so no work: every receive is waited on directly.
+            assert step1 == ["has_work"] * 4 + ["before_step"]  # 1F1B, 2 stages, 4 receives
+            # Step 2: has_work once per receive; exactly the 3 units, each only after has_work
+            # said there was work; the waiter may ask once more after the last unit.
+            waits, last = step2[:-1], step2[-1]
+            assert last == "before_step" and waits.count("has_work") == 4
+            assert waits.count("run_one") == (3 if budget else 0)
+            assert waits.count("run_one idle") <= (1 if budget else 0)
+            for i, c in enumerate(waits):
+                if c.startswith("run_one"):
+                    assert waits[i - 1] in ("has_work", "run_one")
+
+
+@pytest.mark.timeout(120)
+def test_detached_hooks_are_not_called_and_training_is_unchanged(results: list[dict]) -> None:
+    for rank in (0, 1):
+        for budget in ("0", "3"):
+            r = results[rank][budget]
+            assert r["calls_after_detach"] == r["calls"]  # no call after detach_hooks()
+            assert not r["checkpoint_action_after_detach"]
+        assert results[rank]["None"]["losses"] == results[rank]["3"]["losses"]
+    assert all(isinstance(x, float) for x in results[1]["None"]["losses"])
