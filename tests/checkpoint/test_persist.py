@@ -53,3 +53,29 @@ def test_single_process_persist_and_missing_step(tmp_path: Path) -> None:
     assert "no complete snapshot of step 5" in (results[1].error or "")
     assert DurableTier(tmp_path / "d").latest() == 1
     memory.cleanup()
+
+
+def test_what_the_helper_persists_loads_with_plain_dcp(tmp_path: Path) -> None:
+    # The helper writes without torch.save's zip CRC32s (no reader checks them); plain DCP
+    # readers must still read every tensor back exactly.
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from bubbleguard.checkpoint.persist import BackgroundPersister
+    from tests.checkpoint.ckpt_testlib import trained_state
+
+    model, _, _, state = trained_state(1)
+    memory = MemoryTier("p", 0, root=tmp_path, chunk_bytes=1024)
+    memory.write(state)
+    persister = BackgroundPersister(memory, DurableTier(tmp_path / "d"))
+    persister.submit(1)
+    assert [r.persisted for r in persister.close(timeout_s=60)] == [True]
+    step_dir = tmp_path / "d" / "step-00000001"
+    sd = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+    dcp.load(sd, checkpoint_id=str(step_dir))
+    assert_same_tensors(sd, dict(model.state_dict()))
+    dcp_to_torch_save(step_dir, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    assert_same_tensors(whole, {k: v.clone() for k, v in state.tensors.items()})
+    memory.cleanup()

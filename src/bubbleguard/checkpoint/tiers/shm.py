@@ -52,7 +52,7 @@ import shutil
 import threading
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,7 +134,7 @@ class SnapshotRecord:
     @property
     def digest(self) -> str:
         """A short fingerprint of the chunk checksums."""
-        return f"{zlib.crc32(json.dumps(list(self.checksums)).encode()):08x}"
+        return _digest(self.checksums)
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON form."""
@@ -469,13 +469,14 @@ class MemoryTier(Tier):
         parts = []
         lacking = []
         for r in range(self.num_ranks):
-            record = next(
-                (x for x in _rank_records(self.job_dir / f"rank{r}") if x.step == step), None
-            )
-            if record is None:
+            # Runs every step from a bubble: a summary of each record, not a validated layout
+            # (2.3 ms for two ranks of 105 tensors). Resume validates and verifies in full.
+            part = next((p for p in _rank_summaries(self.job_dir / f"rank{r}", r)
+                         if p[0] == step), None)
+            if part is None:
                 lacking.append(r)
             else:
-                parts.append(RankPart(r, record.layout.total_bytes, record.digest))
+                parts.append(part[1])
         if lacking:
             raise IncompleteCheckpointError(
                 f"cannot commit step {step} of {self.job_dir}: ranks {lacking} have no complete snapshot of it"
@@ -724,6 +725,26 @@ def _load_record_file(path: Path) -> SnapshotRecord | None:
     except (ValueError, KeyError, TypeError) as e:
         warnings.warn(f"ignoring unreadable snapshot record {path}: {e}", stacklevel=2)
         return None
+
+
+def _digest(checksums: Sequence[int]) -> str:
+    return f"{zlib.crc32(json.dumps(list(checksums)).encode()):08x}"
+
+
+def _rank_summaries(rank_dir: Path, rank: int) -> list[tuple[int, RankPart]]:
+    """(step, commit-marker part) of every readable record in ``rank_dir``; unlike
+    :func:`_rank_records`, the layouts are not rebuilt."""
+    out = []
+    for path in sorted(rank_dir.glob("slot*.json")) if rank_dir.is_dir() else []:
+        try:
+            obj = json.loads(path.read_text())
+            if obj.get("format") != RECORD_FORMAT:
+                continue
+            part = RankPart(rank, int(obj["layout"]["total_bytes"]), _digest(obj["checksums"]))
+            out.append((int(obj["step"]), part))
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            continue  # being replaced, or unreadable: not a complete record of this step
+    return out
 
 
 def _rank_records(rank_dir: Path) -> list[SnapshotRecord]:
