@@ -1,6 +1,6 @@
 """Checkpoint overhead of every mode against no checkpoints, and snapshot copy bandwidth.
 
-    python benchmarks/overhead.py                 # full size (~9 min), writes benchmarks/results/overhead.json
+    python benchmarks/overhead.py                 # full size (~15 min), writes benchmarks/results/overhead.json
     python benchmarks/overhead.py --tiny --out D  # seconds; what the test suite runs
 
 Setup: 2 pipeline stages x 1 thread (one rank per core), 1F1B with 4 microbatches, the built-in GPT
@@ -370,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a few steps of a small model")
-    parser.add_argument("--rounds", type=int, help="measured rounds (default 12; tiny 1)")
+    parser.add_argument("--rounds", type=int, help="measured rounds (default 20; tiny 1)")
     parser.add_argument("--out", default="benchmarks/results", help="directory for overhead.json")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated modes to compare (none and bubble always run)")
