@@ -6,7 +6,8 @@ owns the tiers. Which work runs where depends on the mode (a :class:`SnapshotStr
 * ``bubble`` (ours): after optimizer step k the state is captured by reference; its chunks are
   copied into node-local shared memory while the stage waits on receives during iteration k+1;
   what is left is copied at the ``CHECKPOINT`` action just before step k+1. Every
-  ``persist_every`` steps a background thread writes the snapshot to the durable tier (DCP).
+  ``persist_every`` steps a helper process per rank (``persist.py``) writes the snapshot from
+  shared memory to the durable tier (DCP).
 * ``none`` and the baselines in :mod:`bubbleguard.checkpoint.baselines`, measured in the same
   harness with the same frequency flags.
 
