@@ -22,8 +22,8 @@ def test_killing_one_shard_buffers_only_its_gradients(tmp_path: Path, digits: Da
     config = small_config("stateless", num_workers=2, num_shards=2)
     with PSJob(config, workdir=tmp_path, splits=digits) as job:
         job.start()
-        # A replacement server can take seconds to start on a loaded machine (4.4 s after the
-        # kill was seen): the window leaves room for it to come back and take the backlog.
+        # A replacement server can take seconds to start on a loaded machine (once 4.4 s after
+        # the kill): the window leaves room for it to come back and take the backlog.
         job.train(8.0, faults=FaultPlan(num_kills=1, downtime_s=1.5, kill_at_s=(1.0,), shard=1))
         recovered = [e.time - job.t0 for e in job.events if e.kind == "recovered"]
         assert len(recovered) == 1 and recovered[0] < 8.0, f"shard 1 back at {recovered} s"
