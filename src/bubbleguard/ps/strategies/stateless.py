@@ -306,11 +306,12 @@ class StatelessClient(ShardClient):
         return acks
 
     def settle(self, deadline: float) -> None:
-        """Hand the backlog over if the server is back (waiting for an answer until ``deadline``)."""
+        """Hand the backlog over once the server is back, looking for it until ``deadline``
+        (a replacement not yet published by then leaves the backlog pending)."""
         if self._down:
             self._last_lookup = 0.0
             self._try_recover()
-            while self._down and self._probe is not None and time.time() < deadline:
+            while self._down and time.time() < deadline:
                 time.sleep(0.01)
                 self._try_recover()
         elif len(self._buffer):
