@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,31 +23,52 @@ NUM_STEPS = 4
 
 
 class CountingHooks:
-    """Hooks with ``budget`` units of bubble work per step; every call is logged."""
+    """Hooks with ``budget`` units of bubble work per step; every call is logged, with the
+    thread that made it and whether another call was still running (``overlaps``)."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.left = 0
         self.calls: list[str] = []
+        self.threads: dict[str, set[str]] = {}
+        self.overlaps = 0
+        self._inside = False
+
+    def _enter(self, name: str) -> None:
+        self.overlaps += self._inside
+        self._inside = True
+        self.threads.setdefault(name, set()).add(
+            "training" if threading.current_thread() is threading.main_thread() else "helper")
 
     def has_work(self) -> bool:
+        self._enter("has_work")
         self.calls.append("has_work")
+        self._inside = False
         return self.left > 0
 
     def run_one(self) -> bool:
-        if self.left == 0:
-            self.calls.append("run_one idle")  # the waiter asks once more after the last unit
-            return False
-        self.calls.append("run_one")
-        self.left -= 1
-        return True
+        self._enter("run_one")
+        time.sleep(0.001)  # a unit takes a while: a call overlapping it would show
+        try:
+            if self.left == 0:
+                self.calls.append("run_one idle")  # asked once more after the last unit
+                return False
+            self.calls.append("run_one")
+            self.left -= 1
+            return True
+        finally:
+            self._inside = False
 
     def before_step(self) -> None:
+        self._enter("before_step")
         self.calls.append("before_step")
+        self._inside = False
 
     def after_step(self, step: int) -> None:
+        self._enter("after_step")
         self.calls.append(f"after_step {step}")
         self.left = self.budget  # a snapshot to copy during the next step
+        self._inside = False
 
 
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
@@ -68,6 +93,9 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
         losses += [job.step(x, y) for x, y in batches[2:]]
         job.close()
         results[str(budget)] = {"losses": losses, "calls": calls_attached,
+                                "threads": {k: sorted(v) for k, v in hooks.threads.items()}
+                                if hooks else {},
+                                "overlaps": hooks.overlaps if hooks else 0,
                                 "calls_after_detach": list(hooks.calls) if hooks else [],
                                 "checkpoint_action_after_detach":
                                     ActionKind.CHECKPOINT in plain_actions}
@@ -97,7 +125,7 @@ def test_hooks_are_called_in_order_and_bubble_work_runs_only_while_there_is_some
             # Step 1: no snapshot yet, so no work: every receive is waited on directly.
             assert step1 == ["has_work"] * 4 + ["before_step"]  # 1F1B, 2 stages, 4 receives
             # Step 2: has_work once per receive; exactly the 3 units, each only after has_work
-            # said there was work; the waiter may ask once more after the last unit.
+            # said there was work; the helper may ask once more after the last unit.
             waits, last = step2[:-1], step2[-1]
             assert last == "before_step" and waits.count("has_work") == 4
             assert waits.count("run_one") == (3 if budget else 0)
@@ -116,3 +144,55 @@ def test_detached_hooks_are_not_called_and_training_is_unchanged(results: list[d
             assert not r["checkpoint_action_after_detach"]
         assert results[rank]["None"]["losses"] == results[rank]["3"]["losses"]
     assert all(isinstance(x, float) for x in results[1]["None"]["losses"])
+
+
+@pytest.mark.timeout(120)
+def test_bubble_work_runs_on_a_helper_thread_never_alongside_another_hook(
+        results: list[dict]) -> None:
+    for rank in (0, 1):
+        r = results[rank]["3"]
+        # run_one runs while the training thread blocks in the receive; every other hook runs
+        # on the training thread; no two calls ever overlapped.
+        assert r["threads"] == {"has_work": ["training"], "run_one": ["helper"],
+                                "before_step": ["training"], "after_step": ["training"]}
+        assert r["overlaps"] == 0 and results[rank]["0"]["overlaps"] == 0
+
+
+class FailingHooks(CountingHooks):
+    """Bubble work that fails on its first unit."""
+
+    def run_one(self) -> bool:
+        raise OSError(28, "No space left on device", "/dev/shm/bubbleguard")
+
+
+def _failing_worker(rank: int, store_path: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=5))
+    stage = split(build_model("mlp", seed=5), 2, rank)
+    job = PipelineJob(stage, torch.optim.SGD(stage.parameters(), lr=0.1), lm_loss,
+                      schedule="1f1b", num_microbatches=4)
+    job.attach_hooks(FailingHooks(1) if rank == 1 else CountingHooks(0))
+    x, y = torch.randint(0, 256, (8, 16)), torch.randint(0, 256, (8,))
+    job.step(x, y)
+    outcome = "no error"
+    try:
+        job.step(x, y)
+    except OSError as exc:
+        outcome = f"OSError {exc.errno} {exc.strerror} {exc.filename}"
+    except RuntimeError as exc:  # rank 0: its peer stopped sending; the receive timed out
+        outcome = f"RuntimeError {type(exc).__name__}"
+    job.close()
+    torch.save({"outcome": outcome, "step_count": job.step_count},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)  # rank 0's sends were never received: do not wait on them in a teardown
+
+
+@pytest.mark.timeout(120)
+def test_an_error_in_bubble_work_is_raised_by_step_on_the_training_thread(
+        tmp_path: Path) -> None:
+    mp.spawn(_failing_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert r1 == {"outcome": "OSError 28 No space left on device /dev/shm/bubbleguard",
+                  "step_count": 2}
+    assert r0["outcome"].startswith("RuntimeError")

@@ -22,7 +22,6 @@ collective.
 from __future__ import annotations
 
 import functools
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -53,10 +52,11 @@ _HEADER_LEN = 10
 
 
 class StepHooks(Protocol):
-    """What a checkpointer plugs into the runtime; called on every rank's training thread.
+    """What a checkpointer plugs into the runtime; called by one thread at a time.
 
     Per iteration: at every receive ``has_work``, and if it says so ``run_one`` any number of
-    times while the stage waits, then ``before_step`` at the ``CHECKPOINT`` action (just before
+    times while the stage waits (from a helper thread, while the training thread blocks in the
+    receive), then ``before_step`` at the ``CHECKPOINT`` action (just before
     the optimizer step: the state must not change under an unfinished snapshot), then
     ``after_step`` right after the optimizer step. Time spent in ``before_step`` and
     ``after_step`` is checkpoint overhead (``ckpt_blocking_s``); time in ``run_one`` hides in
@@ -66,9 +66,8 @@ class StepHooks(Protocol):
     def has_work(self) -> bool:
         """Whether ``run_one`` has anything to do now (cheap; asked before every receive).
 
-        False lets the runtime wait on the receive directly. Waiting while working goes through a
-        helper thread (see ``_RecvWaiter``), a hand-off that costs tens of microseconds per
-        receive, which a stage whose data is already there would otherwise pay for nothing.
+        False lets the runtime wait on the receive without waking the helper thread that runs
+        ``run_one`` during waits (see ``_BubbleWorker``).
         """
         ...
 
@@ -85,37 +84,78 @@ class StepHooks(Protocol):
         ...
 
 
-class _RecvWaiter:
-    """Waits on receive handles in a helper thread, so the main thread can work meanwhile.
+class _BubbleWorker:
+    """Runs ``hooks.run_one`` in a helper thread while the training thread waits on a receive.
 
     Gloo's ``Work.is_completed()`` does not turn true for a receive until someone calls ``wait()``,
-    so the only way to learn "the data is here" without blocking is to block in another thread.
-    ``wait()`` releases the GIL, and so do the tensor copies the main thread does meanwhile.
+    so the thread that waits cannot also learn "the data is here" between copies. The training
+    thread therefore waits itself (``wait()`` releases the GIL and returns the moment the data
+    lands) while this thread copies chunks (the copies release the GIL too). After the wait,
+    :meth:`pause` lets the chunk in flight finish, so a copy never overlaps compute and at most one
+    chunk overruns a wait, as before. Hooks are only ever called by one thread at a time: this one
+    between :meth:`resume` and :meth:`pause`, the training thread otherwise.
     """
 
-    def __init__(self) -> None:
-        self._jobs: queue.Queue[tuple[dist.Work, threading.Event, list[BaseException]] | None] = (
-            queue.Queue())
-        self._thread = threading.Thread(target=self._loop, name="bubbleguard-recv", daemon=True)
+    def __init__(self, hooks: StepHooks, device: torch.device) -> None:
+        self.hooks = hooks
+        self._device = device
+        self._cond = threading.Condition()
+        self._want = False  # written by the training thread: keep working
+        self._busy = False  # cleared by this thread when it stopped
+        self._closed = False
+        self._spans: list[tuple[float, float]] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="bubbleguard-bubble", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            work, done, errors = job
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # the current device is per thread
+        while True:
+            with self._cond:
+                while not self._busy and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
             try:
-                work.wait()
-            except Exception as exc:  # handed to the main thread, which re-raises it
-                errors.append(exc)
-            done.set()
+                while self._want:
+                    t0 = time.perf_counter()
+                    if not self.hooks.run_one():
+                        break
+                    self._spans.append((t0, time.perf_counter()))
+            except BaseException as exc:  # handed to the training thread, which re-raises it
+                self._error = exc
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
 
-    def submit(self, work: dist.Work) -> tuple[threading.Event, list[BaseException]]:
-        """Start waiting on ``work``; the event is set when it completed (or failed)."""
-        done, errors = threading.Event(), []  # type: ignore[var-annotated]
-        self._jobs.put((work, done, errors))
-        return done, errors
+    def resume(self) -> None:
+        """Start running ``run_one`` until :meth:`pause` (or until it has nothing to do)."""
+        with self._cond:
+            self._want = self._busy = True
+            self._cond.notify_all()
+
+    def pause(self) -> list[tuple[float, float]]:
+        """Stop after the unit in flight; the (start, end) of every unit run since ``resume``.
+
+        Raises:
+            BaseException: whatever ``run_one`` raised.
+        """
+        with self._cond:
+            self._want = False
+            while self._busy:
+                self._cond.wait()
+        spans, self._spans = self._spans, []
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return spans
 
     def close(self) -> None:
-        self._jobs.put(None)
+        with self._cond:
+            self._want, self._closed = False, True
+            self._cond.notify_all()
+        self._thread.join()
 
 
 class PipelineJob:
@@ -193,7 +233,7 @@ class PipelineJob:
                     self._replica_group = group
         self._input_meta: tuple[torch.Size, torch.dtype] | None = None
         self._output_meta: tuple[torch.Size, torch.dtype] | None = None
-        self._waiter: _RecvWaiter | None = None
+        self._worker: _BubbleWorker | None = None
 
     def attach_hooks(self, hooks: StepHooks) -> None:
         """Plug a checkpointer in: adds the ``CHECKPOINT`` action before every ``STEP``.
@@ -227,23 +267,27 @@ class PipelineJob:
 
     def _wait_recv(self, work: dist.Work, action: Action, index: int) -> None:
         start = time.perf_counter()
-        if self.hooks is None or not self.hooks.has_work():
+        hooks = self.hooks
+        if hooks is None or not hooks.has_work():
             work.wait()
         else:
-            if self._waiter is None:
-                self._waiter = _RecvWaiter()
-            done, errors = self._waiter.submit(work)
-            while not done.is_set():
-                t0 = time.perf_counter()
-                if not self.hooks.run_one():
-                    done.wait()
-                    break
-                t1 = time.perf_counter()
+            if self._worker is None or self._worker.hooks is not hooks:
+                self._stop_worker()
+                self._worker = _BubbleWorker(hooks, self.device)
+            self._worker.resume()
+            try:
+                work.wait()
+            finally:
+                spans = self._worker.pause()
+            for t0, t1 in spans:
                 self.timeline.add(EventKind.CHECKPOINT, "ckpt chunk", t0, t1, index)
                 self.last_stats["ckpt_bubble_s"] += t1 - t0
-            if errors:
-                raise errors[0]
         self.timeline.add(EventKind.IDLE, f"wait {action}", start, time.perf_counter(), index)
+
+    def _stop_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     def _negotiate_shapes(self, first_microbatch: torch.Tensor | None) -> None:
         """Learn the activation shapes at both ends of this stage, stage by stage.
@@ -407,7 +451,4 @@ class PipelineJob:
 
     def close(self) -> None:
         """Stop the helper thread, if one was started. The process group stays as it is."""
-        if self._waiter is not None:
-            self._waiter.close()
-            self._waiter = None
-
+        self._stop_worker()
