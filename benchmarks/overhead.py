@@ -1,6 +1,6 @@
 """Checkpoint overhead of every mode against no checkpoints, and snapshot copy bandwidth.
 
-    python benchmarks/overhead.py                 # full size (~15 min), writes benchmarks/results/overhead.json
+    python benchmarks/overhead.py                 # full size (15-25 min), writes benchmarks/results/overhead.json
     python benchmarks/overhead.py --tiny --out D  # seconds; what the test suite runs
 
 Setup: 2 pipeline stages x 1 thread (one rank per core), 1F1B with 4 microbatches, the built-in GPT
