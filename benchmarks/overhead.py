@@ -54,6 +54,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -397,8 +398,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     summary = summarize(blocks, modes)
     doc = {
         "benchmark": "overhead",
-        "command": "python benchmarks/overhead.py" + (" --tiny" if args.tiny else "")
-                   + (f" --rounds {args.rounds}" if args.rounds else ""),
+        "command": " ".join(["python", "benchmarks/overhead.py", *sys.argv[1:]]),
         "config": {"model": "gpt", "d_model": size["width"], "num_layers": size["layers"],
                    "stages": 2, "threads_per_rank": 1, "schedule": "1f1b",
                    "microbatches": size["microbatches"], "batch_size": size["batch_size"],
