@@ -398,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     summary = summarize(blocks, modes)
     doc = {
         "benchmark": "overhead",
-        "command": " ".join(["python", "benchmarks/overhead.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "benchmarks/overhead.py",
+                             *(sys.argv[1:] if argv is None else argv)]),
         "config": {"model": "gpt", "d_model": size["width"], "num_layers": size["layers"],
                    "stages": 2, "threads_per_rank": 1, "schedule": "1f1b",
                    "microbatches": size["microbatches"], "batch_size": size["batch_size"],

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,41 +36,40 @@ class CountingHooks:
         self.overlaps = 0
         self._inside = False
 
-    def _enter(self, name: str) -> None:
+    @contextlib.contextmanager
+    def _call(self, name: str) -> Iterator[None]:
         self.overlaps += self._inside
         self._inside = True
         self.threads.setdefault(name, set()).add(
             "training" if threading.current_thread() is threading.main_thread() else "helper")
+        try:
+            yield
+        finally:
+            self._inside = False
 
     def has_work(self) -> bool:
-        self._enter("has_work")
-        self.calls.append("has_work")
-        self._inside = False
-        return self.left > 0
+        with self._call("has_work"):
+            self.calls.append("has_work")
+            return self.left > 0
 
     def run_one(self) -> bool:
-        self._enter("run_one")
-        time.sleep(0.001)  # a unit takes a while: a call overlapping it would show
-        try:
+        with self._call("run_one"):
+            time.sleep(0.001)  # a unit takes a while: a call overlapping it would show
             if self.left == 0:
                 self.calls.append("run_one idle")  # asked once more after the last unit
                 return False
             self.calls.append("run_one")
             self.left -= 1
             return True
-        finally:
-            self._inside = False
 
     def before_step(self) -> None:
-        self._enter("before_step")
-        self.calls.append("before_step")
-        self._inside = False
+        with self._call("before_step"):
+            self.calls.append("before_step")
 
     def after_step(self, step: int) -> None:
-        self._enter("after_step")
-        self.calls.append(f"after_step {step}")
-        self.left = self.budget  # a snapshot to copy during the next step
-        self._inside = False
+        with self._call("after_step"):
+            self.calls.append(f"after_step {step}")
+            self.left = self.budget  # a snapshot to copy during the next step
 
 
 def _worker(rank: int, store_path: str, out_dir: str) -> None:

@@ -96,8 +96,8 @@ class _BubbleWorker:
     between :meth:`resume` and :meth:`pause`, the training thread otherwise.
     """
 
-    def __init__(self, hooks: StepHooks, device: torch.device) -> None:
-        self.hooks = hooks
+    def __init__(self, device: torch.device) -> None:
+        self._hooks: StepHooks | None = None
         self._device = device
         self._cond = threading.Condition()
         self._want = False  # written by the training thread: keep working
@@ -117,10 +117,11 @@ class _BubbleWorker:
                     self._cond.wait()
                 if self._closed:
                     return
+            assert self._hooks is not None
             try:
                 while self._want:
                     t0 = time.perf_counter()
-                    if not self.hooks.run_one():
+                    if not self._hooks.run_one():
                         break
                     self._spans.append((t0, time.perf_counter()))
             except BaseException as exc:  # handed to the training thread, which re-raises it
@@ -129,9 +130,10 @@ class _BubbleWorker:
                 self._busy = False
                 self._cond.notify_all()
 
-    def resume(self) -> None:
-        """Start running ``run_one`` until :meth:`pause` (or until it has nothing to do)."""
+    def resume(self, hooks: StepHooks) -> None:
+        """Start running ``hooks.run_one`` until :meth:`pause` (or until it has nothing to do)."""
         with self._cond:
+            self._hooks = hooks
             self._want = self._busy = True
             self._cond.notify_all()
 
@@ -271,10 +273,9 @@ class PipelineJob:
         if hooks is None or not hooks.has_work():
             work.wait()
         else:
-            if self._worker is None or self._worker.hooks is not hooks:
-                self._stop_worker()
-                self._worker = _BubbleWorker(hooks, self.device)
-            self._worker.resume()
+            if self._worker is None:
+                self._worker = _BubbleWorker(self.device)
+            self._worker.resume(hooks)
             try:
                 work.wait()
             finally:
@@ -283,11 +284,6 @@ class PipelineJob:
                 self.timeline.add(EventKind.CHECKPOINT, "ckpt chunk", t0, t1, index)
                 self.last_stats["ckpt_bubble_s"] += t1 - t0
         self.timeline.add(EventKind.IDLE, f"wait {action}", start, time.perf_counter(), index)
-
-    def _stop_worker(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
 
     def _negotiate_shapes(self, first_microbatch: torch.Tensor | None) -> None:
         """Learn the activation shapes at both ends of this stage, stage by stage.
@@ -451,4 +447,6 @@ class PipelineJob:
 
     def close(self) -> None:
         """Stop the helper thread, if one was started. The process group stays as it is."""
-        self._stop_worker()
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
