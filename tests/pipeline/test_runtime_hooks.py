@@ -32,6 +32,7 @@ class CountingHooks:
         self.budget = budget
         self.left = 0
         self.calls: list[str] = []
+        self.finished: list[int] = []
         self.threads: dict[str, set[str]] = {}
         self.overlaps = 0
         self._inside = False
@@ -65,6 +66,8 @@ class CountingHooks:
     def before_step(self) -> None:
         with self._call("before_step"):
             self.calls.append("before_step")
+            self.finished.append(self.left)  # the units the bubbles did not hold
+            self.left = 0
 
     def after_step(self, step: int) -> None:
         with self._call("after_step"):
@@ -97,6 +100,7 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
                                 "threads": {k: sorted(v) for k, v in hooks.threads.items()}
                                 if hooks else {},
                                 "overlaps": hooks.overlaps if hooks else 0,
+                                "finished": list(hooks.finished) if hooks else [],
                                 "calls_after_detach": list(hooks.calls) if hooks else [],
                                 "checkpoint_action_after_detach":
                                     ActionKind.CHECKPOINT in plain_actions}
@@ -125,11 +129,13 @@ def test_hooks_are_called_in_order_and_bubble_work_runs_only_while_there_is_some
             step1, step2 = calls[:end1], calls[end1 + 1:end2]
             # Step 1: no snapshot yet, so no work: every receive is waited on directly.
             assert step1 == ["has_work"] * 4 + ["before_step"]  # 1F1B, 2 stages, 4 receives
-            # Step 2: has_work once per receive; exactly the 3 units, each only after has_work
-            # said there was work; the helper may ask once more after the last unit.
+            # Step 2: has_work once per receive; each unit only after has_work said there was
+            # work; the helper may ask once more after the last unit. How many of the 3 units
+            # the waits hold depends on when the data lands (a wait can end before the helper
+            # ran one); before_step does the rest: together exactly the 3.
             waits, last = step2[:-1], step2[-1]
             assert last == "before_step" and waits.count("has_work") == 4
-            assert waits.count("run_one") == (3 if budget else 0)
+            assert waits.count("run_one") + results[rank][str(budget)]["finished"][1] == budget
             assert waits.count("run_one idle") <= (1 if budget else 0)
             for i, c in enumerate(waits):
                 if c.startswith("run_one"):
@@ -152,10 +158,13 @@ def test_bubble_work_runs_on_a_helper_thread_never_alongside_another_hook(
         results: list[dict]) -> None:
     for rank in (0, 1):
         r = results[rank]["3"]
-        # run_one runs while the training thread blocks in the receive; every other hook runs
-        # on the training thread; no two calls ever overlapped.
-        assert r["threads"] == {"has_work": ["training"], "run_one": ["helper"],
-                                "before_step": ["training"], "after_step": ["training"]}
+        # run_one runs while the training thread blocks in the receive (if a wait lasted long
+        # enough for the helper to start one); every other hook runs on the training thread;
+        # no two calls ever overlapped.
+        threads = dict(r["threads"])
+        assert threads.pop("run_one", ["helper"]) == ["helper"]
+        assert threads == {"has_work": ["training"], "before_step": ["training"],
+                           "after_step": ["training"]}
         assert r["overlaps"] == 0 and results[rank]["0"]["overlaps"] == 0
 
 
