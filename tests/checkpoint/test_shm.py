@@ -236,7 +236,12 @@ def test_read_into_a_reused_buffer(tier: MemoryTier) -> None:
     out = torch.full((state.num_bytes + 4096,), 7, dtype=torch.uint8)
     read = tier.read(2, out=out)
     assert_same_state(read, state)
-    assert all(t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
-               for t in read.tensors.values())
+    base = out.data_ptr()
+    for name, t in read.all_tensors().items():
+        # inside `out`, and a storage of exactly its bytes, so DCP writes it without a clone
+        assert base <= t.data_ptr() and t.data_ptr() + t.nbytes <= base + out.numel(), name
+        assert t.untyped_storage().nbytes() == t.nbytes, name
+    out[:] = 0  # the tensors are views of `out`, not copies
+    assert all(not t.any() for t in read.all_tensors().values())
     with pytest.raises(ValueError, match="out must be a flat uint8 tensor of >= "):
         tier.read(2, out=torch.empty(16, dtype=torch.uint8))

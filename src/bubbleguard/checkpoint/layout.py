@@ -340,13 +340,23 @@ def copy_chunk_native(
 
 
 def tensors_from_region(layout: ChunkLayout, region: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Typed views of ``region`` (flat ``uint8``) for every tensor of ``layout``; no copies."""
+    """Typed views of ``region`` (flat ``uint8``, CPU) for every tensor of ``layout``; no copies.
+
+    Each tensor gets a storage of exactly its own bytes (over ``region``'s memory, which it
+    keeps alive): ``torch.save``, and so DCP, writes a tensor whose storage is larger than the
+    tensor by cloning it first, which cost a 44 MB stage's persist 22 ms of copying.
+    """
     if region.numel() < layout.total_bytes:
         raise ValueError(f"region has {region.numel()} bytes, layout needs {layout.total_bytes}")
+    raw = region.numpy()
     out = {}
     for s in layout.tensors:
-        raw = region[s.region_offset : s.region_offset + s.num_bytes]
-        out[s.name] = raw.view(dtype_from_str(s.dtype)).reshape(s.shape)
+        dtype = dtype_from_str(s.dtype)
+        if s.num_bytes == 0:
+            out[s.name] = torch.empty(s.shape, dtype=dtype)  # frombuffer refuses empty buffers
+            continue
+        own = raw[s.region_offset : s.region_offset + s.num_bytes]
+        out[s.name] = torch.frombuffer(own, dtype=dtype).reshape(s.shape)
     return out
 
 
