@@ -64,6 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bubbleguard.checkpoint.baselines import SyncSave
 from bubbleguard.checkpoint.checkpointer import (
     CheckpointConfig,
     Checkpointer,
@@ -157,12 +158,29 @@ def bench_worker(cfg: TrainConfig, modes: Sequence[str], rounds: int, ckpt_root:
         flush_s = time.perf_counter() - start
         blocks.append({"round": round_index, "mode": mode, "first_step": first,
                        "step_times_s": times[1:], "blocking_s": blocking[1:],
-                       "bubble_s": in_bubbles[1:], "flush_s": flush_s})
+                       "bubble_s": in_bubbles[1:], "flush_s": flush_s,
+                       "durable_step": newest_durable_step(ckpt)})
     for ckpt in ckpts.values():
         ckpt.close()
     job.close()
     torch.distributed.destroy_process_group()
     return {"rank": ranked.rank, "blocks": blocks, "losses": losses}
+
+
+def newest_durable_step(ckpt: Checkpointer | None) -> int | None:
+    """The newest step this rank's checkpointer holds in durable storage (after a flush).
+
+    ``sync`` writes its own fsynced ``torch.save`` files; the other modes commit to the DCP
+    durable tier. Recorded per block so that the results show every block's persist landed: a
+    persist that failed quietly would make a mode look cheaper than it is.
+    """
+    if ckpt is None:
+        return None
+    if isinstance(ckpt.strategy, SyncSave):
+        steps = ckpt.strategy.files.steps()
+        return steps[0] if steps else None
+    assert ckpt.durable is not None
+    return ckpt.durable.latest()
 
 
 def run_interleaved(size: dict[str, Any], modes: Sequence[str], workdir: Path, ckpt_root: Path,
@@ -183,7 +201,7 @@ def run_interleaved(size: dict[str, Any], modes: Sequence[str], workdir: Path, c
     for b0, b1 in zip(results[0]["blocks"], last["blocks"], strict=True):
         assert (b0["mode"], b0["first_step"]) == (b1["mode"], b1["first_step"])
         blocks.append({**b1, **{key: {"0": b0[key], "1": b1[key]}
-                                for key in ("blocking_s", "bubble_s", "flush_s")}})
+                                for key in ("blocking_s", "bubble_s", "flush_s", "durable_step")}})
     return blocks, [float(x) for x in last["losses"]]
 
 
@@ -317,6 +335,13 @@ def summarize(blocks: list[dict[str, Any]], modes: Sequence[str]) -> dict[str, A
             "flush_s": {rank: statistics.median(
                 [b["flush_s"][rank] for b in measured if b["mode"] == mode]) for rank in ranks},
         }
+        if mode != "none":
+            # Blocks whose persist (of their first step) was in durable storage at their end.
+            mine = [b for b in measured if b["mode"] == mode]
+            out[mode]["persisted_blocks"] = {
+                "of": len(mine), **{rank: sum(b["durable_step"][rank] is not None
+                                              and b["durable_step"][rank] >= b["first_step"]
+                                              for b in mine) for rank in ranks}}
     return out
 
 
@@ -348,14 +373,18 @@ def goals(modes: dict[str, Any], bandwidth: dict[str, Any]) -> dict[str, Any]:
 def table(modes: dict[str, Any], bandwidth: dict[str, Any]) -> str:
     """The printed table."""
     lines = [f"{'mode':>10} {'mean ms':>8} {'median':>7} {'overhead':>9} {'95% CI':>17} "
-             f"{'rounds [min, max]':>19} {'blocking ms r0/r1':>18} {'flush ms r0/r1':>15}"]
+             f"{'rounds [min, max]':>19} {'blocking ms r0/r1':>18} {'flush ms r0/r1':>15} "
+             f"{'persisted r0/r1':>16}"]
     for mode, m in modes.items():
         st, ov = m["step_time_s"], m["overhead"]
         block = "/".join(f"{v * 1e3:.2f}" for v in m["ckpt_blocking_s"].values())
         flush = "/".join(f"{v * 1e3:.0f}" for v in m["flush_s"].values())
+        done = m.get("persisted_blocks")
+        persisted = f"{done['0']}/{done['1']} of {done['of']}" if done else "-"
         lines.append(f"{mode:>10} {st['mean'] * 1e3:8.1f} {st['median'] * 1e3:7.1f} "
                      f"{ov['pooled_mean']:+9.2%} [{ov['ci95'][0]:+6.2%}, {ov['ci95'][1]:+6.2%}] "
-                     f"[{ov['min']:+7.2%}, {ov['max']:+7.2%}] {block:>18} {flush:>15}")
+                     f"[{ov['min']:+7.2%}, {ov['max']:+7.2%}] {block:>18} {flush:>15} "
+                     f"{persisted:>16}")
     gb = 1e9
     lines.append(
         f"copy bandwidth ({bandwidth['state_bytes'] / 1e6:.1f} MB stage state, 1 thread, cold "

@@ -38,6 +38,20 @@ def test_overhead_benchmark_tiny(tmp_path: Path) -> None:
     assert doc["modes"]["none"]["overhead"]["per_round"] == [0.0] * cfg["rounds"]
     assert doc["modes"]["none"]["ckpt_blocking_s"] == {"0": 0.0, "1": 0.0}
     assert all(doc["modes"][m]["ckpt_blocking_s"]["0"] > 0 for m in MODES[1:])
+    # Every checkpointing block's persist was in durable storage, on both ranks, at its end.
+    for mode in MODES[1:]:
+        blocks_per_round = 3 if mode == "bubble" else 1
+        n = cfg["rounds"] * blocks_per_round
+        assert doc["modes"][mode]["persisted_blocks"] == {"of": n, "0": n, "1": n}, mode
+    assert "persisted_blocks" not in doc["modes"]["none"]
+    assert all(b["durable_step"] == {"0": None, "1": None}
+               for b in doc["blocks"] if b["mode"] == "none")
+    # background and bubble persist every 10th snapshot, the block's first; sync and
+    # dcp-async write every snapshot durably, so the block's last is the newest.
+    for b in doc["blocks"]:
+        newest = {"background": b["first_step"], "bubble": b["first_step"],
+                  "sync": b["first_step"] + 9, "dcp-async": b["first_step"] + 9}.get(b["mode"])
+        assert b["durable_step"] == {"0": newest, "1": newest}, b
     # A warm-up round of every mode, then "none, bubble, none, baseline" for every baseline.
     blocks = doc["blocks"]
     assert [b["mode"] for b in blocks if b["round"] == -1] == MODES

@@ -115,6 +115,61 @@ def test_retention_keeps_the_newest_and_removes_stale_partials(tmp_path: Path) -
     assert [(i.step, i.committed) for i in tier.checkpoints()] == [(3, True), (4, True)]
 
 
+def test_listing_while_retention_deletes(tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rank or `inspect` lists the checkpoints while the persist helper's retention deletes
+    # old ones: a directory that goes between the root's listing and its own is left out.
+    model, opt, sched = make_training()
+    tier = DurableTier(tmp_path, keep_last=5)
+    for step in (1, 2, 3):
+        train_step(model, opt, sched, step)
+        tier.save(capture_state(model, opt, sched, step=step))
+    writer = DurableTier(tmp_path, keep_last=1)  # another process's view: keeps only step 3
+    real_ls = tier.fs.ls
+    deleted = []
+
+    def ls_then_retention(path: str, detail: bool = True, **kwargs: object) -> object:
+        listing = real_ls(path, detail=detail, **kwargs)
+        if path.rstrip("/") == tier.root.rstrip("/") and not deleted:
+            deleted.append(path)  # once (both tiers share fsspec's cached filesystem)
+            writer._retain()  # deletes steps 1 and 2 after the root was listed
+        return listing
+
+    monkeypatch.setattr(tier.fs, "ls", ls_then_retention)
+    assert [(i.step, i.committed) for i in tier.checkpoints()] == [(3, True)]
+    assert tier.latest() == 3
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
+
+
+def test_a_half_deleted_checkpoint_reads_as_incomplete(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Retention removes the commit marker before the files: stopped midway (a crash, or a
+    # reader looking in between), the old step is incomplete, never committed with files gone.
+    model, opt, sched = make_training()
+    tier = DurableTier(tmp_path, keep_last=5)
+    for step in (1, 2):
+        train_step(model, opt, sched, step)
+        tier.save(capture_state(model, opt, sched, step=step))
+    real_rm = tier.fs.rm
+
+    def rm_stops_after_the_marker(path: str, recursive: bool = False, **kwargs: object) -> None:
+        if recursive:
+            raise OSError("stopped midway")  # _discard is best effort: the error is swallowed
+        real_rm(path, recursive=recursive, **kwargs)
+
+    monkeypatch.setattr(tier.fs, "rm", rm_stops_after_the_marker)
+    tier._discard(1)
+    monkeypatch.undo()
+    assert (tmp_path / "step-00000001" / ".metadata").exists()
+    infos = tier.checkpoints()
+    assert [(i.step, i.committed) for i in infos] == [(1, False), (2, True)]
+    assert "no commit marker" in (infos[0].reason or "")
+    assert tier.latest() == 2
+    tier.save(capture_state(model, opt, sched, step=3))  # the next retention removes it
+    assert [i.step for i in tier.checkpoints()] == [2, 3]
+
+
 def test_different_model_is_named_on_restore(tmp_path: Path) -> None:
     *_, state = trained_state(1, blocks=[0, 1])
     tier = DurableTier(tmp_path)

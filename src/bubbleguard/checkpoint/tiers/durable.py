@@ -58,6 +58,7 @@ from bubbleguard.checkpoint.errors import (
 )
 from bubbleguard.checkpoint.layout import dtype_from_str
 from bubbleguard.checkpoint.manifest import (
+    MARKER_NAME,
     CommitMarker,
     RankPart,
     filesystem,
@@ -254,9 +255,14 @@ class DurableTier(Tier):
             self._discard(step)
 
     def _discard(self, step: int) -> None:
+        path = self.step_dir(step)
         try:
-            if self.fs.exists(self.step_dir(step)):
-                self.fs.rm(self.step_dir(step), recursive=True)
+            if self.fs.exists(path):
+                # The marker first: a directory half deleted (or a crash midway) then reads as
+                # incomplete, never as a committed checkpoint with files missing.
+                if self.fs.exists(f"{path}/{MARKER_NAME}"):
+                    self.fs.rm(f"{path}/{MARKER_NAME}")
+                self.fs.rm(path, recursive=True)
         except OSError:
             pass  # best effort: an incomplete directory is ignored by readers anyway
 
@@ -300,7 +306,11 @@ class DurableTier(Tier):
     # ----------------------------------------------------------------- reading
 
     def checkpoints(self) -> list[DurableCheckpointInfo]:
-        """Every step directory under the root, oldest first, with its validity."""
+        """Every step directory under the root, oldest first, with its validity.
+
+        Safe while another process writes or applies retention (a persist helper does both):
+        a directory deleted after the root was listed is left out, not reported as broken.
+        """
         if not self.fs.exists(self.root):
             return []
         out = []
@@ -311,7 +321,11 @@ class DurableTier(Tier):
                 continue
             step = int(m.group(1))
             path = self.step_dir(step)
-            size = sum(int(f["size"]) for f in self.fs.ls(path, detail=True) if f["type"] == "file")
+            try:
+                size = sum(int(f["size"]) for f in self.fs.ls(path, detail=True)
+                           if f["type"] == "file")
+            except FileNotFoundError:
+                continue  # deleted (retention) since the root was listed
             try:
                 marker = read_marker(self.fs, path)
                 if marker.step != step:
@@ -324,6 +338,8 @@ class DurableTier(Tier):
                     )
                 )
             except (IncompleteCheckpointError, CorruptSnapshotError) as e:
+                if not self.fs.exists(path):
+                    continue  # deleted while we read it
                 out.append(
                     DurableCheckpointInfo(step, self._url_of(path), False, str(e), None, size)
                 )
