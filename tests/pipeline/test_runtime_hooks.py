@@ -166,6 +166,9 @@ def test_bubble_work_runs_on_a_helper_thread_never_alongside_another_hook(
         assert threads == {"has_work": ["training"], "before_step": ["training"],
                            "after_step": ["training"]}
         assert r["overlaps"] == 0 and results[rank]["0"]["overlaps"] == 0
+    # Some unit did run inside a wait (rank 0 waits a whole stage-1 forward and backward for
+    # its first gradient): a runtime that left every unit to before_step would fail here.
+    assert any("run_one" in results[rank]["3"]["threads"] for rank in (0, 1))
 
 
 class FailingHooks(CountingHooks):
