@@ -36,7 +36,8 @@ step times, as ``bubbleguard train`` does):
   Means, not medians: the steps a persist slows are part of the cost;
 * ``ckpt_blocking_s``: mean per step of the time each rank's training thread spent in checkpoint
   hooks (``after_step`` + ``before_step``); ``ckpt_bubble_s``: the same for the work done while
-  waiting on receives.
+  waiting on receives; ``ckpt_overrun_s``: the part of that work that outlasted its wait (from
+  the data's arrival to the end of the chunk in flight: on the critical path too).
 
 Copy bandwidth, measured in this process (1 thread, like a rank) on a stage's real state, each
 method after a pass over 256 MiB that evicts the caches, in alternating order: the snapshot copy as
@@ -146,19 +147,20 @@ def bench_worker(cfg: TrainConfig, modes: Sequence[str], rounds: int, ckpt_root:
         else:
             job.attach_hooks(ckpt)
         first = job.step_count + 1
-        times, blocking, in_bubbles = [], [], []
+        times, blocking, in_bubbles, overrun = [], [], [], []
         for _ in range(BLOCK_STEPS):
             dt, stats = step()
             times.append(dt)
             blocking.append(stats["ckpt_blocking_s"])
             in_bubbles.append(stats["ckpt_bubble_s"])
+            overrun.append(stats["ckpt_overrun_s"])
         start = time.perf_counter()
         if ckpt is not None:
             ckpt.flush()
         flush_s = time.perf_counter() - start
         blocks.append({"round": round_index, "mode": mode, "first_step": first,
                        "step_times_s": times[1:], "blocking_s": blocking[1:],
-                       "bubble_s": in_bubbles[1:], "flush_s": flush_s,
+                       "bubble_s": in_bubbles[1:], "overrun_s": overrun[1:], "flush_s": flush_s,
                        "durable_step": newest_durable_step(ckpt)})
     for ckpt in ckpts.values():
         ckpt.close()
@@ -201,7 +203,8 @@ def run_interleaved(size: dict[str, Any], modes: Sequence[str], workdir: Path, c
     for b0, b1 in zip(results[0]["blocks"], last["blocks"], strict=True):
         assert (b0["mode"], b0["first_step"]) == (b1["mode"], b1["first_step"])
         blocks.append({**b1, **{key: {"0": b0[key], "1": b1[key]}
-                                for key in ("blocking_s", "bubble_s", "flush_s", "durable_step")}})
+                                for key in ("blocking_s", "bubble_s", "overrun_s", "flush_s",
+                                            "durable_step")}})
     return blocks, [float(x) for x in last["losses"]]
 
 
@@ -332,6 +335,8 @@ def summarize(blocks: list[dict[str, Any]], modes: Sequence[str]) -> dict[str, A
                 [x for r in rounds for x in of(r, mode, "blocking_s", rank)]) for rank in ranks},
             "ckpt_bubble_s": {rank: statistics.fmean(
                 [x for r in rounds for x in of(r, mode, "bubble_s", rank)]) for rank in ranks},
+            "ckpt_overrun_s": {rank: statistics.fmean(
+                [x for r in rounds for x in of(r, mode, "overrun_s", rank)]) for rank in ranks},
             "flush_s": {rank: statistics.median(
                 [b["flush_s"][rank] for b in measured if b["mode"] == mode]) for rank in ranks},
         }

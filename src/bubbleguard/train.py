@@ -270,7 +270,8 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
             if metrics is not None:
                 record = {"step": step, "loss": loss, "step_time_s": step_time_s,
                           "ckpt_blocking_s": job.last_stats["ckpt_blocking_s"],
-                          "ckpt_bubble_s": job.last_stats["ckpt_bubble_s"], "restart": restart}
+                          "ckpt_bubble_s": job.last_stats["ckpt_bubble_s"],
+                          "ckpt_overrun_s": job.last_stats["ckpt_overrun_s"], "restart": restart}
                 if step == resumed.step + 1 and resumed.step:
                     record["resumed_from"] = {"step": resumed.step, "tier": resumed.tier}
                 if plan is not None and plan["step"] == step:

@@ -37,6 +37,13 @@ def test_overhead_benchmark_tiny(tmp_path: Path) -> None:
         assert sorted(m["ckpt_blocking_s"]) == ["0", "1"]
     assert doc["modes"]["none"]["overhead"]["per_round"] == [0.0] * cfg["rounds"]
     assert doc["modes"]["none"]["ckpt_blocking_s"] == {"0": 0.0, "1": 0.0}
+    # Only bubble works inside the waits; a chunk can outlast a wait, never the work itself.
+    for mode, m in doc["modes"].items():
+        for rank in ("0", "1"):
+            if mode == "bubble":
+                assert 0 < m["ckpt_overrun_s"][rank] <= m["ckpt_bubble_s"][rank]
+            else:
+                assert m["ckpt_overrun_s"][rank] == m["ckpt_bubble_s"][rank] == 0.0
     assert all(doc["modes"][m]["ckpt_blocking_s"]["0"] > 0 for m in MODES[1:])
     # Every checkpointing block's persist was in durable storage, on both ranks, at its end.
     for mode in MODES[1:]:

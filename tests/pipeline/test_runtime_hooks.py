@@ -75,6 +75,20 @@ class CountingHooks:
             self.left = self.budget  # a snapshot to copy during the next step
 
 
+class LongUnitHooks(CountingHooks):
+    """One unit of bubble work per step that outlasts any wait of this tiny pipeline."""
+
+    UNIT_S = 0.3
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+    def run_one(self) -> bool:
+        if self.left:
+            time.sleep(self.UNIT_S)
+        return super().run_one()
+
+
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
@@ -83,20 +97,25 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
                                                                             generator=g))
                for _ in range(NUM_STEPS)]
     results = {}
-    for budget in (None, 0, 3):  # no hooks, hooks without work, hooks with 3 units per step
+    # No hooks, hooks without work, hooks with 3 units per step, one unit longer than a wait.
+    for budget in (None, 0, 3, "long"):
         stage = split(build_model("mlp", seed=5), 2, rank)
         job = PipelineJob(stage, torch.optim.SGD(stage.parameters(), lr=0.1), lm_loss,
                           schedule="1f1b", num_microbatches=4)
-        hooks = CountingHooks(budget) if budget is not None else None
+        hooks = (LongUnitHooks() if budget == "long" else
+                 CountingHooks(budget) if budget is not None else None)
         if hooks is not None:
             job.attach_hooks(hooks)
-        losses = [job.step(x, y) for x, y in batches[:2]]
+        losses, stats = [], []
+        for x, y in batches[:2]:
+            losses.append(job.step(x, y))
+            stats.append(dict(job.last_stats))
         calls_attached = list(hooks.calls) if hooks else []
         job.detach_hooks()
         plain_actions = [a.kind for a in job.actions]
         losses += [job.step(x, y) for x, y in batches[2:]]
         job.close()
-        results[str(budget)] = {"losses": losses, "calls": calls_attached,
+        results[str(budget)] = {"losses": losses, "stats": stats, "calls": calls_attached,
                                 "threads": {k: sorted(v) for k, v in hooks.threads.items()}
                                 if hooks else {},
                                 "overlaps": hooks.overlaps if hooks else 0,
@@ -140,6 +159,24 @@ def test_hooks_are_called_in_order_and_bubble_work_runs_only_while_there_is_some
             for i, c in enumerate(waits):
                 if c.startswith("run_one"):
                     assert waits[i - 1] in ("has_work", "run_one")
+
+
+@pytest.mark.timeout(120)
+def test_overrun_is_the_time_bubble_work_held_the_stage_after_its_data_arrived(
+        results: list[dict]) -> None:
+    for rank in (0, 1):
+        # Without bubble work the runtime waits directly: nothing overruns.
+        for budget in ("None", "0"):
+            assert [s["ckpt_overrun_s"] for s in results[rank][budget]["stats"]] == [0.0, 0.0]
+        first, second = results[rank]["long"]["stats"]
+        assert first["ckpt_overrun_s"] == 0.0  # no snapshot yet in step 1
+        assert second["ckpt_bubble_s"] >= LongUnitHooks.UNIT_S
+        assert 0.0 < second["ckpt_overrun_s"] <= second["ckpt_bubble_s"]
+    # Step 2 on stage 1: its unit starts in its first wait, for stage 0's first activation,
+    # which lands milliseconds later (a forward of this tiny MLP); the stage sat out the rest of
+    # the unit. (Stage 0 then waits that long for its first gradient, so its own unit, started a
+    # little later, mostly fits in the wait: an overrun delays the neighbour too.)
+    assert results[1]["long"]["stats"][1]["ckpt_overrun_s"] > LongUnitHooks.UNIT_S / 2
 
 
 @pytest.mark.timeout(120)

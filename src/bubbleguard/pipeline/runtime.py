@@ -60,7 +60,8 @@ class StepHooks(Protocol):
     the optimizer step: the state must not change under an unfinished snapshot), then
     ``after_step`` right after the optimizer step. Time spent in ``before_step`` and
     ``after_step`` is checkpoint overhead (``ckpt_blocking_s``); time in ``run_one`` hides in
-    bubbles (``ckpt_bubble_s``).
+    bubbles (``ckpt_bubble_s``), except for the part of a unit that outlasts its wait: from the
+    data's arrival until the unit in flight ends, the stage sits idle (``ckpt_overrun_s``).
     """
 
     def has_work(self) -> bool:
@@ -279,7 +280,9 @@ class PipelineJob:
             try:
                 work.wait()
             finally:
+                arrived = time.perf_counter()
                 spans = self._worker.pause()
+                self.last_stats["ckpt_overrun_s"] += time.perf_counter() - arrived
             for t0, t1 in spans:
                 self.timeline.add(EventKind.CHECKPOINT, "ckpt chunk", t0, t1, index)
                 self.last_stats["ckpt_bubble_s"] += t1 - t0
@@ -350,7 +353,7 @@ class PipelineJob:
         assert self._input_meta is not None and self._output_meta is not None
         self.step_count += 1
         self.timeline.step = self.step_count
-        self.last_stats = {"ckpt_blocking_s": 0.0, "ckpt_bubble_s": 0.0}
+        self.last_stats = {"ckpt_blocking_s": 0.0, "ckpt_bubble_s": 0.0, "ckpt_overrun_s": 0.0}
         stage_inputs: dict[int, torch.Tensor] = {}
         stage_outputs: dict[int, torch.Tensor] = {}
         losses: dict[int, torch.Tensor] = {}
