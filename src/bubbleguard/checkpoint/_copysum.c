@@ -22,7 +22,15 @@
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
+#include <xmmintrin.h>
 #endif
+
+/* Source lines are prefetched this far ahead with the non-temporal hint. Measured on the dev VM
+ * (AMD EPYC, KVM; a scratch run, twice): a training process on the other core, computing while
+ * this one copies, as a stage does in its neighbour's bubble, slowed by 0.57-0.58% per GB/s
+ * copied with the prefetch against 0.74-0.91% without it, and the copy ran 11-14% faster.
+ * A prefetch past the end of the source does not fault. */
+#define PREFETCH_AHEAD 1024
 
 /* Below this, plain stores: streaming a few lines is not worth the fence. */
 #define STREAM_MIN_BYTES (64 * 1024)
@@ -35,6 +43,7 @@ static uint64_t copy_sum64_impl(char *dst, const char *src, size_t n) {
         __m128i acc0 = _mm_setzero_si128(), acc1 = _mm_setzero_si128();
         __m128i acc2 = _mm_setzero_si128(), acc3 = _mm_setzero_si128();
         for (; i + 64 <= n; i += 64) {
+            _mm_prefetch(src + i + PREFETCH_AHEAD, _MM_HINT_NTA);
             __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
             __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
             __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
