@@ -73,6 +73,9 @@ class TrainConfig:
         metrics: append one JSON line per step here, or None.
         run_dir: where ranks leave their timelines.
         threads: torch threads per rank.
+        bind_cores: pin each local rank (and the threads and helper processes it starts) to
+            ``threads`` cores of its own, when the node has enough for every local rank (see
+            :func:`bind_local_rank`).
         progress: show a progress bar on the reporting rank.
         ckpt: checkpoint mode (``none``, ``bubble`` or a baseline; see
             :data:`bubbleguard.checkpoint.checkpointer.CHECKPOINT_MODES`).
@@ -101,6 +104,7 @@ class TrainConfig:
     metrics: str | None = None
     run_dir: str = "runs/latest"
     threads: int = 1
+    bind_cores: bool = True
     progress: bool = True
     ckpt: str = "none"
     ckpt_dir: str = ""
@@ -192,11 +196,44 @@ class RankJob:
         return inputs.chunk(cfg.replicas)[self.replica], targets.chunk(cfg.replicas)[self.replica]
 
 
+def bind_local_rank(threads: int) -> tuple[int, ...] | None:
+    """Pin this process to cores of its own: local rank i gets the i-th ``threads`` of them.
+
+    Unpinned, the threads a rank wakes while it waits on a receive (the bubble copier, gloo's,
+    the persist helper process) may land on the core of a neighbour that is computing, and
+    steal its time. Pinned, a rank's helpers can only use that rank's own core, which is idle
+    while the rank waits. Every thread of the process is pinned; threads and processes started
+    later inherit it. Nothing is pinned when the cores this process may use are fewer than
+    ``LOCAL_WORLD_SIZE * threads`` (oversubscribed: the scheduler has to share them anyway).
+
+    Returns:
+        The cores this rank now runs on, or None when it was left unpinned.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if local_ranks * threads > len(cores):
+        return None
+    mine = cores[local_rank * threads:(local_rank + 1) * threads]
+    task_dir = Path("/proc/self/task")
+    tasks = [int(t.name) for t in task_dir.iterdir()] if task_dir.is_dir() else [0]
+    for task in tasks:
+        try:
+            os.sched_setaffinity(task, mine)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that just exited, or one we may not move
+    return tuple(mine)
+
+
 def start_rank(cfg: TrainConfig) -> RankJob:
     """Join the process group and build this rank's stage, optimizer, job and data.
 
     Called once per rank, under torchrun (the environment names the rank and the group).
     """
+    if cfg.bind_cores:
+        bind_local_rank(cfg.threads)
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo")

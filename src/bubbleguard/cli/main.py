@@ -58,6 +58,9 @@ def _add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> N
     p.add_argument("--metrics", help="append one JSON line per step here")
     p.add_argument("--run-dir", help="keep the ranks' timelines and bubble map here")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--no-bind-cores", action="store_true",
+                   help="do not pin each rank to cores of its own (pinned by default when the "
+                        "machine has a core per rank thread)")
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--ckpt", choices=CHECKPOINT_MODES, default=defaults.ckpt,
                     help="checkpoint mode: ours (bubble) or a baseline")
@@ -134,7 +137,8 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
                        microbatches=args.microbatches, batch_size=args.batch_size,
                        schedule=args.schedule, steps=args.steps, seed=args.seed, lr=args.lr,
                        model_options=options, trace=args.trace, metrics=args.metrics,
-                       progress=not args.no_progress, ckpt=args.ckpt, ckpt_dir=args.ckpt_dir,
+                       progress=not args.no_progress, bind_cores=not args.no_bind_cores,
+                       ckpt=args.ckpt, ckpt_dir=args.ckpt_dir,
                        ckpt_every=args.ckpt_every, persist_every=args.persist_every,
                        keep_last=args.keep_last, ckpt_chunk_mb=args.ckpt_chunk_mb,
                        resume=args.resume, fault=args.fault,
