@@ -85,7 +85,7 @@ BLOCK_STEPS = 10  # one block = one persist period
 EVICT_BYTES = 256 << 20
 
 
-def _size(tiny: bool) -> dict[str, Any]:
+def bench_size(tiny: bool) -> dict[str, Any]:
     if tiny:
         return {"width": 32, "layers": 2, "rounds": 1, "microbatches": 4, "batch_size": 8}
     return {"width": 384, "layers": 4, "rounds": 20, "microbatches": 4, "batch_size": 16}
@@ -211,14 +211,19 @@ def run_interleaved(size: dict[str, Any], modes: Sequence[str], workdir: Path, c
 # ------------------------------------------------------------------------------ copy bandwidth
 
 
-def _stage_state(size: dict[str, Any]) -> StageState:
-    """Stage 0's real state after one AdamW step (parameters, exp_avg, exp_avg_sq, step)."""
+def stage_zero(size: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+    """The benchmark's stage 0 (of 2), its AdamW optimizer, and the model's sequence length."""
     cfg = model_config("gpt", d_model=size["width"], num_layers=size["layers"])
     stage = split(build_model("gpt", seed=0, d_model=size["width"], num_layers=size["layers"]),
                   2, 0)
-    opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+    return stage, torch.optim.AdamW(stage.parameters(), lr=1e-3), model_seq_len(cfg)
+
+
+def stage_state(size: dict[str, Any]) -> StageState:
+    """Stage 0's real state after one AdamW step (parameters, exp_avg, exp_avg_sq, step)."""
+    stage, opt, seq_len = stage_zero(size)
     # Any gradient gives the optimizer its state; the loss does not matter here.
-    stage(torch.randint(0, 256, (2, model_seq_len(cfg)))).float().pow(2).mean().backward()
+    stage(torch.randint(0, 256, (2, seq_len))).float().pow(2).mean().backward()
     opt.step()
     return capture_state(stage, opt, step=1)
 
@@ -230,7 +235,7 @@ def measure_bandwidth(size: dict[str, Any], repeats: int) -> dict[str, Any]:
     buffers that were touched before (as the reused shared-memory slots are).
     """
     torch.set_num_threads(1)
-    state = _stage_state(size)
+    state = stage_state(size)
     tensors = state.all_tensors()
     total = state.num_bytes
     plain_dst = {k: torch.zeros_like(v) for k, v in tensors.items()}
@@ -413,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                             "temporary directory under $TMPDIR)")
     args = parser.parse_args(argv)
     modes = tuple(m for m in MODES if m in {"none", "bubble", *args.modes.split(",")})
-    size = _size(args.tiny)
+    size = bench_size(args.tiny)
     if args.rounds:
         size["rounds"] = args.rounds
     started = time.perf_counter()

@@ -1,0 +1,234 @@
+"""How much the checkpoint's background work slows a training process on the *other* core.
+
+    python benchmarks/interference.py                 # ~5 min, writes benchmarks/results/interference.json
+    python benchmarks/interference.py --tiny --out D  # seconds; what the test suite runs
+
+In a pipeline a stage copies its snapshot inside its bubble, which is when its neighbour computes,
+and the persist helper runs when its rank waits. Neither takes the neighbour's CPU time, but both
+move memory, and the cores share the last-level cache and the memory bus. The overhead benchmark
+sees this only inside a noisy end-to-end figure; this one isolates it.
+
+Method: process A, pinned to core 0, trains ``overhead.py``'s stage 0 (forward + backward of one
+microbatch, then AdamW, 1 thread) in a loop and times each iteration. Process B, pinned to core
+1, does one kind of work over and over during A's measurement; the kinds take turns (rotated per
+repeat):
+
+* ``idle``: B sleeps (the reference);
+* ``snapshot``: ``MemoryTier.write`` of the stage's state into shared memory, i.e. the bubble
+  copy with its per-chunk checksums;
+* ``plain_copy``: ``Tensor.copy_`` of the same tensors into ordinary buffers;
+* ``persist``: what the persist helper does once per persist, at its ``SCHED_IDLE`` priority:
+  ``MemoryTier.read`` of the snapshot into a reused buffer, then ``DurableTier.save`` (DCP,
+  fsync, commit marker, retention) into a temporary directory.
+
+Reported per kind: A's mean iteration, its slowdown against ``idle``, B's work done while A was
+measured, and A's time lost per unit of that work: milliseconds per GB copied, and per persist.
+A rank's step costs its neighbour about (lost ms per GB) x (GB snapshotted per step), plus
+(lost ms per persist) once per persist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from multiprocessing.synchronize import Event
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bubbleguard.checkpoint.state import StageState
+from bubbleguard.checkpoint.tiers.durable import DurableTier
+from bubbleguard.checkpoint.tiers.shm import MemoryTier
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import bench_size, stage_state, stage_zero  # noqa: E402
+
+KINDS = ("idle", "snapshot", "plain_copy", "persist")
+MICROBATCH_ROWS = 4  # the overhead benchmark's batch of 16 in 4 microbatches
+
+
+def _trainer(size: dict[str, Any], core: int, commands: Any, results: Any) -> None:
+    """Process A: time training iterations for as long as each command says (seconds)."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    stage, opt, seq_len = stage_zero(size)
+    x = torch.randint(0, 256, (MICROBATCH_ROWS, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def iteration() -> float:
+        start = time.perf_counter()
+        stage(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - start
+
+    while (seconds := commands.get()) is not None:
+        times: list[float] = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end or not times:
+            times.append(iteration())
+        results.put(times)
+
+
+def _worker(size: dict[str, Any], kind: str, core: int, measuring: Event, stop: Event,
+            results: Any) -> None:
+    """Process B: do ``kind`` over and over; count what was done while ``measuring`` was set."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    if kind == "persist":  # as the persist helper runs
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        torch.serialization.set_crc32_options(False)
+    state = stage_state(size)
+    tensors = state.all_tensors()
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm, tempfile.TemporaryDirectory() as disk:
+        memory = MemoryTier("interference-bench", 0, root=shm)
+        durable = DurableTier(str(Path(disk) / "ckpt"), keep_last=2)
+        plain_dst = {k: torch.empty_like(v) for k, v in tensors.items()}
+        buffer = torch.empty(0, dtype=torch.uint8)
+        step = 0
+
+        def unit() -> int:
+            """One unit of the work; the bytes it copied (a persist counts as one)."""
+            nonlocal step, buffer
+            step += 1
+            if kind == "snapshot":
+                memory.write(StageState(step=step, tensors=state.tensors,
+                                        local_tensors=state.local_tensors, metadata={}))
+                return state.num_bytes
+            if kind == "plain_copy":
+                for name, src in tensors.items():
+                    plain_dst[name].copy_(src)
+                return state.num_bytes
+            assert kind == "persist"
+            if buffer.numel() < memory.records()[0].layout.total_bytes:
+                buffer = torch.empty(memory.records()[0].layout.total_bytes, dtype=torch.uint8)
+            snap = memory.read(memory.records()[0].step, out=buffer)
+            durable.save(StageState(step=step, tensors=snap.tensors,
+                                    local_tensors=snap.local_tensors, metadata=snap.metadata))
+            return 1
+
+        if kind == "persist":
+            memory.write(state)
+        if kind != "idle":
+            for _ in range(2):  # map and touch the pages before anything is measured
+                unit()
+        results.put("ready")
+        done = 0
+        elapsed = 0.0
+        while not stop.is_set():
+            if kind == "idle":
+                time.sleep(0.01)
+                continue
+            start = time.perf_counter()
+            counted = measuring.is_set()
+            n = unit()
+            if counted and measuring.is_set():
+                done += n
+                elapsed += time.perf_counter() - start
+        memory.cleanup()
+    results.put({"done": done, "busy_s": elapsed})
+
+
+def run(size: dict[str, Any], seconds: float, repeats: int) -> dict[str, Any]:
+    """Every kind, ``repeats`` times each in rotated order, ``seconds`` of A's timing each."""
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("interference.py needs 2 CPU cores (one per process); this process "
+                         f"may use {len(os.sched_getaffinity(0))}")
+    core_a, core_b = sorted(os.sched_getaffinity(0))[:2]
+    ctx = mp.get_context("spawn")
+    commands, a_results = ctx.Queue(), ctx.Queue()
+    trainer = ctx.Process(target=_trainer, args=(size, core_a, commands, a_results))
+    trainer.start()
+    commands.put(seconds)  # warm-up
+    a_results.get()
+    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    work: dict[str, list[dict[str, float]]] = {k: [] for k in KINDS}
+    window_s: dict[str, float] = dict.fromkeys(KINDS, 0.0)
+    try:
+        for r in range(repeats):
+            for kind in KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]:
+                measuring, stop, b_results = ctx.Event(), ctx.Event(), ctx.Queue()
+                worker = ctx.Process(target=_worker,
+                                     args=(size, kind, core_b, measuring, stop, b_results))
+                worker.start()
+                assert b_results.get() == "ready"
+                measuring.set()
+                start = time.perf_counter()
+                commands.put(seconds)
+                times[kind] += a_results.get()
+                window_s[kind] += time.perf_counter() - start
+                measuring.clear()
+                stop.set()
+                work[kind].append(b_results.get())
+                worker.join()
+    finally:
+        commands.put(None)
+        trainer.join()
+    idle = statistics.fmean(times["idle"])
+    out: dict[str, Any] = {}
+    for kind in KINDS:
+        mean = statistics.fmean(times[kind])
+        lost_s = (mean - idle) * len(times[kind])  # A's time lost over all its windows
+        done = sum(w["done"] for w in work[kind])
+        row = {"iterations": len(times[kind]), "mean_iteration_s": mean,
+               "median_iteration_s": statistics.median(times[kind]),
+               "slowdown": mean / idle - 1, "window_s": window_s[kind]}
+        if kind in ("snapshot", "plain_copy"):
+            row["copied_bytes_per_s"] = done / window_s[kind]
+            row["lost_ms_per_gb"] = lost_s * 1e3 / (done / 1e9) if done else None
+        elif kind == "persist":
+            row["persists"] = done
+            row["lost_ms_per_persist"] = lost_s * 1e3 / done if done else None
+        out[kind] = row
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a small model, short windows")
+    parser.add_argument("--seconds", type=float, help="A's timing window per kind (default 6; "
+                                                      "tiny 0.5)")
+    parser.add_argument("--repeats", type=int, help="windows per kind (default 10; tiny 1)")
+    parser.add_argument("--out", default="benchmarks/results",
+                        help="directory for interference.json")
+    args = parser.parse_args(argv)
+    size = bench_size(args.tiny)
+    seconds = args.seconds or (0.5 if args.tiny else 6.0)
+    repeats = args.repeats or (1 if args.tiny else 10)
+    start = time.perf_counter()
+    kinds = run(size, seconds, repeats)
+    doc = {"benchmark": "interference", "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+           "config": {"model": "gpt", "d_model": size["width"], "num_layers": size["layers"],
+                      "stage": "0 of 2", "microbatch_rows": MICROBATCH_ROWS,
+                      "seconds_per_window": seconds, "repeats": repeats,
+                      "state_bytes": stage_state(size).num_bytes},
+           "torch": torch.__version__, "machine": platform.platform(),
+           "cpu_count": os.cpu_count(), "wall_s": time.perf_counter() - start, "kinds": kinds}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "interference.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"{'B does':>11} {'A mean ms':>10} {'slowdown':>9}  per unit of B's work")
+    for kind, row in kinds.items():
+        if "lost_ms_per_gb" in row:
+            unit = (f"{row['copied_bytes_per_s'] / 1e9:.2f} GB/s copied, A lost "
+                    f"{row['lost_ms_per_gb']:.1f} ms per GB" if row["lost_ms_per_gb"] is not None
+                    else "nothing copied")
+        elif "lost_ms_per_persist" in row:
+            unit = (f"{row['persists']} persists, A lost {row['lost_ms_per_persist']:.2f} ms per "
+                    "persist" if row["lost_ms_per_persist"] is not None else "no persist done")
+        else:
+            unit = "(reference)"
+        print(f"{kind:>11} {row['mean_iteration_s'] * 1e3:10.2f} {row['slowdown']:+9.2%}  {unit}")
+    print(f"wrote {out / 'interference.json'} ({doc['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""The interference benchmark runs at a tiny size and writes its results file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores, one per process")
+def test_interference_benchmark_tiny(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "interference.py"), "--tiny",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "interference.json").read_text())
+    assert doc["benchmark"] == "interference" and doc["config"]["repeats"] == 1
+    kinds = doc["kinds"]
+    assert list(kinds) == ["idle", "snapshot", "plain_copy", "persist"]
+    assert kinds["idle"]["slowdown"] == 0.0
+    for row in kinds.values():
+        assert row["iterations"] >= 1 and row["mean_iteration_s"] > 0
+    # The worker did its work while the trainer was timed, and it was counted.
+    for kind in ("snapshot", "plain_copy"):
+        assert kinds[kind]["copied_bytes_per_s"] > 0
+        assert kinds[kind]["lost_ms_per_gb"] is not None
+    assert kinds["persist"]["persists"] >= 1
+    assert kinds["persist"]["lost_ms_per_persist"] is not None
+    assert "per GB" in proc.stdout and "per persist" in proc.stdout
