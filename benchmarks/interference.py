@@ -17,7 +17,8 @@ repeat):
 * ``snapshot``: ``MemoryTier.write`` of the stage's state into shared memory, i.e. the bubble
   copy with its per-chunk checksums;
 * ``plain_copy``: ``Tensor.copy_`` of the same tensors into ordinary buffers;
-* ``persist``: what the persist helper does once per persist, at its ``SCHED_IDLE`` priority:
+* ``persist``: what the persist helper does once per persist, at its ``SCHED_IDLE`` priority
+  (normal priority with ``--tiny``):
   ``MemoryTier.read`` of the snapshot into a reused buffer, then ``DurableTier.save`` (DCP,
   fsync, commit marker, retention) into a temporary directory.
 
@@ -30,6 +31,7 @@ A rank's step costs its neighbour about (lost ms per GB) x (GB snapshotted per s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -44,7 +46,6 @@ from typing import Any
 
 import torch
 
-from bubbleguard.checkpoint.state import StageState
 from bubbleguard.checkpoint.tiers.durable import DurableTier
 from bubbleguard.checkpoint.tiers.shm import MemoryTier
 
@@ -77,13 +78,14 @@ def _trainer(size: dict[str, Any], core: int, commands: Any, results: Any) -> No
         results.put(times)
 
 
-def _worker(size: dict[str, Any], kind: str, core: int, measuring: Event, stop: Event,
-            results: Any) -> None:
+def _worker(size: dict[str, Any], kind: str, core: int, idle_priority: bool, measuring: Event,
+            stop: Event, results: Any) -> None:
     """Process B: do ``kind`` over and over; count what was done while ``measuring`` was set."""
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     if kind == "persist":  # as the persist helper runs
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        if idle_priority:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         torch.serialization.set_crc32_options(False)
     state = stage_state(size)
     tensors = state.all_tensors()
@@ -91,53 +93,50 @@ def _worker(size: dict[str, Any], kind: str, core: int, measuring: Event, stop: 
         memory = MemoryTier("interference-bench", 0, root=shm)
         durable = DurableTier(str(Path(disk) / "ckpt"), keep_last=2)
         plain_dst = {k: torch.empty_like(v) for k, v in tensors.items()}
-        buffer = torch.empty(0, dtype=torch.uint8)
+        if kind == "persist":  # one snapshot, read again and again into one reused buffer
+            memory.write(state)
+            buffer = torch.empty(memory.records()[0].layout.total_bytes, dtype=torch.uint8)
         step = 0
 
         def unit() -> int:
             """One unit of the work; the bytes it copied (a persist counts as one)."""
-            nonlocal step, buffer
+            nonlocal step
             step += 1
             if kind == "snapshot":
-                memory.write(StageState(step=step, tensors=state.tensors,
-                                        local_tensors=state.local_tensors, metadata={}))
+                memory.write(dataclasses.replace(state, step=step))
                 return state.num_bytes
             if kind == "plain_copy":
                 for name, src in tensors.items():
                     plain_dst[name].copy_(src)
                 return state.num_bytes
             assert kind == "persist"
-            if buffer.numel() < memory.records()[0].layout.total_bytes:
-                buffer = torch.empty(memory.records()[0].layout.total_bytes, dtype=torch.uint8)
-            snap = memory.read(memory.records()[0].step, out=buffer)
-            durable.save(StageState(step=step, tensors=snap.tensors,
-                                    local_tensors=snap.local_tensors, metadata=snap.metadata))
+            durable.save(dataclasses.replace(memory.read(state.step, out=buffer), step=step))
             return 1
 
-        if kind == "persist":
-            memory.write(state)
         if kind != "idle":
             for _ in range(2):  # map and touch the pages before anything is measured
                 unit()
         results.put("ready")
         done = 0
-        elapsed = 0.0
         while not stop.is_set():
             if kind == "idle":
                 time.sleep(0.01)
                 continue
-            start = time.perf_counter()
             counted = measuring.is_set()
             n = unit()
-            if counted and measuring.is_set():
+            if counted and measuring.is_set():  # the whole unit ran while A was timed
                 done += n
-                elapsed += time.perf_counter() - start
         memory.cleanup()
-    results.put({"done": done, "busy_s": elapsed})
+    results.put(done)
 
 
-def run(size: dict[str, Any], seconds: float, repeats: int) -> dict[str, Any]:
-    """Every kind, ``repeats`` times each in rotated order, ``seconds`` of A's timing each."""
+def run(size: dict[str, Any], seconds: float, repeats: int, *, idle_priority: bool = True,
+        ) -> dict[str, Any]:
+    """Every kind, ``repeats`` times each in rotated order, ``seconds`` of A's timing each.
+
+    ``idle_priority=False`` persists at normal priority: on a machine busy with other work a
+    ``SCHED_IDLE`` worker may not run at all (the tiny run only checks the plumbing).
+    """
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("interference.py needs 2 CPU cores (one per process); this process "
                          f"may use {len(os.sched_getaffinity(0))}")
@@ -149,14 +148,15 @@ def run(size: dict[str, Any], seconds: float, repeats: int) -> dict[str, Any]:
     commands.put(seconds)  # warm-up
     a_results.get()
     times: dict[str, list[float]] = {k: [] for k in KINDS}
-    work: dict[str, list[dict[str, float]]] = {k: [] for k in KINDS}
+    work: dict[str, list[int]] = {k: [] for k in KINDS}
     window_s: dict[str, float] = dict.fromkeys(KINDS, 0.0)
     try:
         for r in range(repeats):
             for kind in KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]:
                 measuring, stop, b_results = ctx.Event(), ctx.Event(), ctx.Queue()
                 worker = ctx.Process(target=_worker,
-                                     args=(size, kind, core_b, measuring, stop, b_results))
+                                     args=(size, kind, core_b, idle_priority, measuring, stop,
+                                           b_results))
                 worker.start()
                 assert b_results.get() == "ready"
                 measuring.set()
@@ -176,7 +176,7 @@ def run(size: dict[str, Any], seconds: float, repeats: int) -> dict[str, Any]:
     for kind in KINDS:
         mean = statistics.fmean(times[kind])
         lost_s = (mean - idle) * len(times[kind])  # A's time lost over all its windows
-        done = sum(w["done"] for w in work[kind])
+        done = sum(work[kind])
         row = {"iterations": len(times[kind]), "mean_iteration_s": mean,
                "median_iteration_s": statistics.median(times[kind]),
                "slowdown": mean / idle - 1, "window_s": window_s[kind]}
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds = args.seconds or (0.5 if args.tiny else 6.0)
     repeats = args.repeats or (1 if args.tiny else 10)
     start = time.perf_counter()
-    kinds = run(size, seconds, repeats)
+    kinds = run(size, seconds, repeats, idle_priority=not args.tiny)
     doc = {"benchmark": "interference", "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
            "config": {"model": "gpt", "d_model": size["width"], "num_layers": size["layers"],
                       "stage": "0 of 2", "microbatch_rows": MICROBATCH_ROWS,
