@@ -328,7 +328,7 @@ def summarize(blocks: list[dict[str, Any]], modes: Sequence[str]) -> dict[str, A
         pairs = [(of(r, mode, "step_times_s"), of(r, "none", "step_times_s")) for r in rounds]
         per_round = [statistics.fmean(m) / statistics.fmean(n) - 1 for m, n in pairs]
         low, high = _bootstrap_overhead(pairs) if len(rounds) > 1 else (per_round[0],) * 2
-        ranks = ["0", "1"]
+        ranks = sorted(measured[0]["blocking_s"])  # "0", "1" here; "0" in benchmarks/gpu.py
         out[mode] = {
             "num_steps": len(times),
             "step_time_s": _quantiles(times),
@@ -380,8 +380,8 @@ def goals(modes: dict[str, Any], bandwidth: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def table(modes: dict[str, Any], bandwidth: dict[str, Any]) -> str:
-    """The printed table."""
+def mode_table(modes: dict[str, Any]) -> list[str]:
+    """The printed table's rows, one per mode (per-rank figures joined by '/')."""
     lines = [f"{'mode':>10} {'mean ms':>8} {'median':>7} {'overhead':>9} {'95% CI':>17} "
              f"{'rounds [min, max]':>19} {'blocking ms r0/r1':>18} {'flush ms r0/r1':>15} "
              f"{'persisted r0/r1':>16}"]
@@ -390,11 +390,18 @@ def table(modes: dict[str, Any], bandwidth: dict[str, Any]) -> str:
         block = "/".join(f"{v * 1e3:.2f}" for v in m["ckpt_blocking_s"].values())
         flush = "/".join(f"{v * 1e3:.0f}" for v in m["flush_s"].values())
         done = m.get("persisted_blocks")
-        persisted = f"{done['0']}/{done['1']} of {done['of']}" if done else "-"
+        persisted = ("/".join(str(v) for k, v in done.items() if k != "of") + f" of {done['of']}"
+                     if done else "-")
         lines.append(f"{mode:>10} {st['mean'] * 1e3:8.1f} {st['median'] * 1e3:7.1f} "
                      f"{ov['pooled_mean']:+9.2%} [{ov['ci95'][0]:+6.2%}, {ov['ci95'][1]:+6.2%}] "
                      f"[{ov['min']:+7.2%}, {ov['max']:+7.2%}] {block:>18} {flush:>15} "
                      f"{persisted:>16}")
+    return lines
+
+
+def table(modes: dict[str, Any], bandwidth: dict[str, Any]) -> str:
+    """The printed table."""
+    lines = mode_table(modes)
     gb = 1e9
     lines.append(
         f"copy bandwidth ({bandwidth['state_bytes'] / 1e6:.1f} MB stage state, 1 thread, cold "

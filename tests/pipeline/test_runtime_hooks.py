@@ -171,12 +171,16 @@ def test_overrun_is_the_time_bubble_work_held_the_stage_after_its_data_arrived(
         first, second = results[rank]["long"]["stats"]
         assert first["ckpt_overrun_s"] == 0.0  # no snapshot yet in step 1
         assert second["ckpt_bubble_s"] >= LongUnitHooks.UNIT_S
-        assert 0.0 < second["ckpt_overrun_s"] <= second["ckpt_bubble_s"]
-    # Step 2 on stage 1: its unit starts in its first wait, for stage 0's first activation,
-    # which lands milliseconds later (a forward of this tiny MLP); the stage sat out the rest of
-    # the unit. (Stage 0 then waits that long for its first gradient, so its own unit, started a
-    # little later, mostly fits in the wait: an overrun delays the neighbour too.)
-    assert results[1]["long"]["stats"][1]["ckpt_overrun_s"] > LongUnitHooks.UNIT_S / 2
+        # The overrun is the unit's tail after the data landed, never the whole wait. Slack:
+        # the helper may start the unit just after the data landed, before the training
+        # thread's pause reached it (seen: 0.1 ms over the unit's span).
+        assert 0.0 < second["ckpt_overrun_s"] <= second["ckpt_bubble_s"] + 0.01
+    # Step 2: the unit that starts first (on either stage) sits in a wait that the other stage
+    # ends within milliseconds (a forward or backward of this tiny MLP) unless that stage is
+    # itself held by its own unit after its data landed; so one of the two stages sat out most
+    # of a unit. Which one depends on which helper started first (seen both ways).
+    overruns = [results[r]["long"]["stats"][1]["ckpt_overrun_s"] for r in (0, 1)]
+    assert max(overruns) > LongUnitHooks.UNIT_S / 2, overruns
 
 
 @pytest.mark.timeout(120)

@@ -380,7 +380,7 @@ class BubbleStrategy(SnapshotStrategy):
                                     step=step,
                                     data_cursor={"data": dict(owner.data_state()),
                                                  "layout": owner.layout_tag()})
-            self.copier.start(pending.complete)
+            self.copier.start(pending.complete, after=_state_ready_event(owner.job.stage))
             self.active = step
 
     def has_work(self) -> bool:
@@ -451,3 +451,15 @@ class BubbleStrategy(SnapshotStrategy):
         else:
             # Keep the snapshots: they may be the only copy of the newest state.
             self.memory.close()
+
+
+def _state_ready_event(module: torch.nn.Module) -> Any:
+    """On a GPU, an event on the current stream right after the optimizer step: the snapshot's
+    copies wait for it, and not for the next iteration's kernels queued after it. None on the
+    CPU."""
+    param = next(module.parameters(), None)
+    if param is None or not param.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(param.device))
+    return event

@@ -18,6 +18,12 @@ step boundary. Chunks are copied in id order; the ``run_one`` after the last chu
 record, so when the bubbles hold the whole snapshot it is complete before ``finish``, which then
 returns the report at once. One chunk is the most a copy can overrun the end of a wait, so
 ``chunk_bytes`` bounds the delay a copy can add (4 MiB at ~10 GB/s is ~0.4 ms).
+
+A snapshot of CUDA tensors (``MemoryTier.copies_async``) goes differently, because its copies are
+not CPU work: one ``run_one`` queues every chunk on the tier's side stream (the copy engine runs
+them alongside compute), then each ``run_one`` checksums one chunk once its copy has landed, then
+the record. The runtime runs these units alongside compute on a GPU (see
+``PipelineJob``), not only inside waits.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from bubbleguard.checkpoint.layout import ChunkLayout
 from bubbleguard.checkpoint.state import StageState
@@ -63,13 +70,17 @@ class SnapshotCopier:
         self._bubble_s = 0.0
         self._copied_bytes = 0
         self._copy_s = 0.0
+        self._after: Any = None
 
-    def start(self, state: StageState | Callable[[], StageState]) -> ChunkLayout | None:
+    def start(self, state: StageState | Callable[[], StageState], *,
+              after: Any = None) -> ChunkLayout | None:
         """Begin the snapshot (right after ``optimizer.step()``).
 
         Args:
             state: the state, or a callable that returns it (called by the first ``run_one``,
                 or by ``finish`` if no bubble comes first).
+            after: for CUDA state, the event recorded right after the step (see
+                ``MemoryTier.begin``); None on the CPU.
 
         Returns:
             The layout, or None when the begin is deferred.
@@ -78,6 +89,7 @@ class SnapshotCopier:
         self._bubble_s = 0.0
         self._report = None
         self._delivered = False
+        self._after = after
         if callable(state):
             self._deferred = state
             self._pending = []
@@ -86,7 +98,8 @@ class SnapshotCopier:
         return self._begin(state)
 
     def _begin(self, state: StageState) -> ChunkLayout:
-        layout = self.tier.begin(state)
+        layout = self.tier.begin(state, after=self._after)
+        self._after = None
         self._pending = list(range(layout.num_chunks))
         self._pending.reverse()  # pop() from the end yields ids in ascending order
         return layout
@@ -100,12 +113,21 @@ class SnapshotCopier:
         """Do the next unit of the snapshot: begin, one chunk, or the record at the end.
 
         Returns:
-            False when there is nothing (left) to do.
+            False when there is nothing (left) to do, or nothing *yet*: device copies still
+            in flight (then :meth:`has_work` stays True).
         """
         t0 = time.perf_counter()
         if self._deferred is not None:
             deferred, self._deferred = self._deferred, None
             self._begin(deferred())
+            self._bubble_s += time.perf_counter() - t0
+            return True
+        if self._pending and self.tier.copies_async:
+            # Queued on the device's side stream, not copied here: all at once, so the copy
+            # engine has the whole snapshot to work on while compute goes on.
+            self._in_bubbles += len(self._pending)
+            while self._pending:
+                self.tier.copy_chunk(self._pending.pop())
             self._bubble_s += time.perf_counter() - t0
             return True
         if self._pending:
@@ -115,6 +137,11 @@ class SnapshotCopier:
             self._in_bubbles += 1
             self._copied_bytes += n
             self._copy_s += dt
+            return True
+        if self.tier.copies_in_flight:  # device copies: one landed chunk's checksum
+            if not self.tier.checksum_next(wait=False):
+                return False  # none has landed yet; has_work() stays True
+            self._bubble_s += time.perf_counter() - t0
             return True
         if self.tier.active_step is not None and self._report is None:
             record = self.tier.finish()  # every chunk is in: only the record is left
@@ -155,5 +182,8 @@ class SnapshotCopier:
 
     @property
     def bandwidth_bytes_per_s(self) -> float | None:
-        """Measured copy bandwidth of ``run_one`` so far (copy + checksum), or None."""
+        """Measured copy bandwidth of ``run_one`` so far (copy + checksum), or None.
+
+        CPU copies only: device copies run on the copy engine, not in ``run_one``.
+        """
         return self._copied_bytes / self._copy_s if self._copy_s > 0 else None

@@ -21,6 +21,7 @@ collective.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -85,6 +86,10 @@ class StepHooks(Protocol):
         ...
 
 
+_DEVICE_POLL_S = 0.0005
+"""How often the helper thread looks again for a device copy that has landed (GPU)."""
+
+
 class _BubbleWorker:
     """Runs ``hooks.run_one`` in a helper thread while the training thread waits on a receive.
 
@@ -95,6 +100,12 @@ class _BubbleWorker:
     :meth:`pause` lets the chunk in flight finish, so a copy never overlaps compute and at most one
     chunk overruns a wait, as before. Hooks are only ever called by one thread at a time: this one
     between :meth:`resume` and :meth:`pause`, the training thread otherwise.
+
+    On a GPU the work is the snapshot's device copies, which run on the copy engine, and their
+    checksums, on a CPU core the training thread (which only launches kernels) leaves free: the
+    job runs this thread alongside compute, and when ``run_one`` has nothing to do *yet* while
+    ``has_work`` says there is more (a copy still in flight), the thread looks again every
+    :data:`_DEVICE_POLL_S` until :meth:`pause`, which interrupts the wait at once.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -119,12 +130,17 @@ class _BubbleWorker:
                 if self._closed:
                     return
             assert self._hooks is not None
+            poll = self._device.type == "cuda"
             try:
                 while self._want:
                     t0 = time.perf_counter()
-                    if not self._hooks.run_one():
+                    if self._hooks.run_one():
+                        self._spans.append((t0, time.perf_counter()))
+                    elif poll and self._hooks.has_work():
+                        with self._cond:  # a device copy in flight: look again soon
+                            self._cond.wait_for(lambda: not self._want, _DEVICE_POLL_S)
+                    else:
                         break
-                    self._spans.append((t0, time.perf_counter()))
             except BaseException as exc:  # handed to the training thread, which re-raises it
                 self._error = exc
             with self._cond:
@@ -146,6 +162,7 @@ class _BubbleWorker:
         """
         with self._cond:
             self._want = False
+            self._cond.notify_all()  # ends a device poll's wait at once
             while self._busy:
                 self._cond.wait()
         spans, self._spans = self._spans, []
@@ -237,6 +254,7 @@ class PipelineJob:
         self._input_meta: tuple[torch.Size, torch.dtype] | None = None
         self._output_meta: tuple[torch.Size, torch.dtype] | None = None
         self._worker: _BubbleWorker | None = None
+        self._alongside = False  # the worker runs alongside compute (GPU; see _start_alongside)
 
     def attach_hooks(self, hooks: StepHooks) -> None:
         """Plug a checkpointer in: adds the ``CHECKPOINT`` action before every ``STEP``.
@@ -268,10 +286,40 @@ class PipelineJob:
         is_grad = action.kind in (ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)
         return 2 * action.microbatch + int(is_grad)
 
+    def _start_alongside(self) -> None:
+        """On a GPU, run the hooks' work in the helper thread alongside compute.
+
+        The snapshot's copies run on the copy engine and the training thread only launches
+        kernels, so there is no reason to keep the work to the waits as on the CPU. It runs
+        from the start of ``step()`` to the ``CHECKPOINT`` action and from ``after_step`` to
+        the end of ``step()``; between ``step()`` calls the hooks are the caller's.
+        """
+        hooks = self.hooks
+        if self.device.type != "cuda" or hooks is None or not hooks.has_work():
+            return
+        if self._worker is None:
+            self._worker = _BubbleWorker(self.device)
+        self._worker.resume(hooks)
+        self._alongside = True
+
+    def _stop_alongside(self, index: int) -> None:
+        """Stop the work started by :meth:`_start_alongside` (the unit in flight finishes;
+        waiting for it counts as ``ckpt_blocking_s``)."""
+        if not self._alongside:
+            return
+        self._alongside = False
+        assert self._worker is not None
+        start = time.perf_counter()
+        spans = self._worker.pause()
+        self.last_stats["ckpt_blocking_s"] += time.perf_counter() - start
+        for t0, t1 in spans:
+            self.timeline.add(EventKind.CHECKPOINT, "ckpt chunk", t0, t1, index)
+            self.last_stats["ckpt_bubble_s"] += t1 - t0
+
     def _wait_recv(self, work: dist.Work, action: Action, index: int) -> None:
         start = time.perf_counter()
         hooks = self.hooks
-        if hooks is None or not hooks.has_work():
+        if self._alongside or hooks is None or not hooks.has_work():
             work.wait()
         else:
             if self._worker is None:
@@ -361,67 +409,81 @@ class PipelineJob:
         pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tl = self.timeline
-        for index, action in enumerate(self.actions):
-            kind, mb = action.kind, action.microbatch
-            if kind is ActionKind.RECV_ACT or kind is ActionKind.RECV_GRAD:
-                assert mb is not None and action.peer is not None
-                shape, dtype = (self._input_meta if kind is ActionKind.RECV_ACT
-                                else self._output_meta)
-                buf = torch.empty(shape, dtype=dtype, device=self.device)
-                work = dist.irecv(buf, self._peer_rank(action.peer), tag=self._tag(action))
-                assert work is not None
-                self._wait_recv(work, action, index)
-                received[(kind, mb)] = buf
-            elif kind is ActionKind.FORWARD:
-                assert mb is not None
-                with tl.span(EventKind.COMPUTE, str(action), index):
-                    if stage.is_first:
-                        assert in_mbs is not None
-                        x = in_mbs[mb]
-                    else:
-                        x = received.pop((ActionKind.RECV_ACT, mb)).requires_grad_()
-                    y = stage(x)
-                    stage_inputs[mb] = x
-                    if stage.is_last:
-                        assert tgt_mbs is not None
-                        losses[mb] = self.loss_fn(y, tgt_mbs[mb]) / self.num_microbatches
-                        loss_sum += losses[mb].detach().double()
-                    else:
-                        stage_outputs[mb] = y
-            elif kind is ActionKind.BACKWARD:
-                assert mb is not None
-                with tl.span(EventKind.COMPUTE, str(action), index):
-                    if stage.is_last:
-                        losses.pop(mb).backward()
-                    else:
-                        grad = received.pop((ActionKind.RECV_GRAD, mb))
-                        torch.autograd.backward(stage_outputs.pop(mb), grad_tensors=grad)
-            elif kind is ActionKind.SEND_ACT or kind is ActionKind.SEND_GRAD:
-                assert mb is not None and action.peer is not None
-                with tl.span(EventKind.SEND, str(action), index):
-                    if kind is ActionKind.SEND_ACT:
-                        payload = stage_outputs[mb].detach()
-                    else:
-                        grad_in = stage_inputs.pop(mb).grad
-                        assert grad_in is not None, "stage input received no gradient"
-                        payload = grad_in
-                    work = dist.isend(payload, self._peer_rank(action.peer), tag=self._tag(action))
+        self._start_alongside()
+        try:
+            for index, action in enumerate(self.actions):
+                kind, mb = action.kind, action.microbatch
+                if kind is ActionKind.RECV_ACT or kind is ActionKind.RECV_GRAD:
+                    assert mb is not None and action.peer is not None
+                    shape, dtype = (self._input_meta if kind is ActionKind.RECV_ACT
+                                    else self._output_meta)
+                    buf = torch.empty(shape, dtype=dtype, device=self.device)
+                    work = dist.irecv(buf, self._peer_rank(action.peer), tag=self._tag(action))
                     assert work is not None
-                    pending_sends.append((work, payload))
-            elif kind is ActionKind.CHECKPOINT:
-                assert self.hooks is not None
-                self._timed_hook(self.hooks.before_step, "CKPT finish", index)
-            elif kind is ActionKind.STEP:
-                with tl.span(EventKind.STEP, "STEP", index):
-                    for work, _ in pending_sends:
-                        work.wait()
-                    loss_sum = self._average_gradients(loss_sum)
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-                if self.hooks is not None:
-                    self._timed_hook(functools.partial(self.hooks.after_step, self.step_count),
-                                     "CKPT begin", index)
-        return float(loss_sum) if stage.is_last else None
+                    self._wait_recv(work, action, index)
+                    received[(kind, mb)] = buf
+                elif kind is ActionKind.FORWARD:
+                    assert mb is not None
+                    with tl.span(EventKind.COMPUTE, str(action), index):
+                        if stage.is_first:
+                            assert in_mbs is not None
+                            x = in_mbs[mb]
+                        else:
+                            x = received.pop((ActionKind.RECV_ACT, mb)).requires_grad_()
+                        y = stage(x)
+                        stage_inputs[mb] = x
+                        if stage.is_last:
+                            assert tgt_mbs is not None
+                            losses[mb] = self.loss_fn(y, tgt_mbs[mb]) / self.num_microbatches
+                            loss_sum += losses[mb].detach().double()
+                        else:
+                            stage_outputs[mb] = y
+                elif kind is ActionKind.BACKWARD:
+                    assert mb is not None
+                    with tl.span(EventKind.COMPUTE, str(action), index):
+                        if stage.is_last:
+                            losses.pop(mb).backward()
+                        else:
+                            grad = received.pop((ActionKind.RECV_GRAD, mb))
+                            torch.autograd.backward(stage_outputs.pop(mb), grad_tensors=grad)
+                elif kind is ActionKind.SEND_ACT or kind is ActionKind.SEND_GRAD:
+                    assert mb is not None and action.peer is not None
+                    with tl.span(EventKind.SEND, str(action), index):
+                        if kind is ActionKind.SEND_ACT:
+                            payload = stage_outputs[mb].detach()
+                        else:
+                            grad_in = stage_inputs.pop(mb).grad
+                            assert grad_in is not None, "stage input received no gradient"
+                            payload = grad_in
+                        work = dist.isend(payload, self._peer_rank(action.peer), tag=self._tag(action))
+                        assert work is not None
+                        pending_sends.append((work, payload))
+                elif kind is ActionKind.CHECKPOINT:
+                    assert self.hooks is not None
+                    self._stop_alongside(index)
+                    self._timed_hook(self.hooks.before_step, "CKPT finish", index)
+                elif kind is ActionKind.STEP:
+                    with tl.span(EventKind.STEP, "STEP", index):
+                        for work, _ in pending_sends:
+                            work.wait()
+                        loss_sum = self._average_gradients(loss_sum)
+                        self.optimizer.step()
+                        self.optimizer.zero_grad(set_to_none=True)
+                    if self.hooks is not None:
+                        self._timed_hook(functools.partial(self.hooks.after_step, self.step_count),
+                                         "CKPT begin", index)
+                        self._start_alongside()
+            loss = float(loss_sum) if stage.is_last else None
+        except BaseException:
+            # Leave no helper thread running into the caller's code; the error that stopped
+            # the step is the one to report.
+            if self._alongside:
+                self._alongside = False
+                with contextlib.suppress(Exception):
+                    self._worker.pause()  # type: ignore[union-attr]
+            raise
+        self._stop_alongside(len(self.actions) - 1)
+        return loss
 
     def _timed_hook(self, hook: Callable[[], None], name: str, index: int) -> None:
         start = time.perf_counter()

@@ -35,8 +35,12 @@ single process, ``tier.read_latest()``, which falls back to the older slot when 
 its checksums.
 
 On a GPU, chunks whose tensors are on CUDA are copied on a side stream straight into the shared
-memory, registered as pinned host memory (``cudaHostRegister``); checksums are computed once the
-copies' events complete (at the latest in ``finish``). On the CPU each chunk is copied and
+memory, registered as pinned host memory (``cudaHostRegister``): ``copy_chunk`` only queues the
+copy (the copy engine runs it alongside compute), and ``checksum_next`` checksums the oldest
+queued chunk once its copy has landed; ``finish`` waits for whatever is left. The copies are
+ordered after the work that produced the state: ``begin(state, after=event)`` with a CUDA event
+recorded right after ``optimizer.step()``, or, without one, after everything queued on the
+current stream so far. On the CPU each chunk is copied and
 checksummed in one pass: by the C extension with streaming stores where it was built
 (``layout.copy_chunk_native``), else block by block through NumPy
 (``layout.copy_chunk_checksummed``).
@@ -326,11 +330,17 @@ class MemoryTier(Tier):
 
     # ----------------------------------------------------------------- writing
 
-    def begin(self, state: StageState) -> ChunkLayout:
+    def begin(self, state: StageState, *, after: Any = None) -> ChunkLayout:
         """Start the snapshot of ``state.step`` in the slot not holding the newest one.
 
         Cheap: no bytes are copied. Waits if that slot is being read (a pinned persist). A
         previous ``begin`` without ``finish`` is abandoned (its slot has no record).
+
+        Args:
+            state: the state to copy (tensors by reference; on the CPU or a CUDA device).
+            after: for CUDA tensors, a ``torch.cuda.Event`` recorded once the state was final
+                (right after ``optimizer.step()``); the copies wait for it and for nothing
+                queued later. None: they wait for everything queued on the current stream.
 
         Returns:
             The layout (reused while shapes stay the same); the runtime plans its chunks.
@@ -348,14 +358,20 @@ class MemoryTier(Tier):
             record_path.unlink()
             fsync_dir(self.rank_dir)
         mapped = self._map(slot, layout.total_bytes)
-        use_cuda = any(t.is_cuda for t in tensors.values())
-        if use_cuda:
-            mapped.register_cuda()
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            # Copies read what optimizer.step() just wrote: order them after it.
-            self._stream.wait_stream(torch.cuda.current_stream())
         sources = {name: flat_bytes(t) for name, t in tensors.items()}
+        device = next((t.device for t in tensors.values() if t.is_cuda), None)
+        use_cuda = device is not None
+        if device is not None:
+            mapped.register_cuda()
+            if self._stream is None or self._stream.device != device:
+                self._stream = torch.cuda.Stream(device=device)
+            # Copies read what optimizer.step() just wrote: order them after it. A tensor that
+            # is not contiguous was just copied by flat_bytes on the current stream, so then
+            # the copies wait for that stream's work so far.
+            if after is not None and all(t.is_contiguous() for t in tensors.values() if t.is_cuda):
+                self._stream.wait_event(after)
+            else:
+                self._stream.wait_stream(torch.cuda.current_stream(device))
         native = self.native_copy and not use_cuda
         if native:
             mapped.zero_padding(layout)
@@ -383,7 +399,8 @@ class MemoryTier(Tier):
         """Copy one chunk of the active snapshot into shared memory (from inside a bubble).
 
         On the CPU the chunk's checksum is computed in the same pass (block by block, while the
-        bytes are in the cache); on a GPU once the copy's event completes.
+        bytes are in the cache). On a GPU the copy is only queued on the side stream; its
+        checksum is computed by :meth:`checksum_next` or :meth:`finish` once it has landed.
 
         Returns:
             Bytes copied (0 if the chunk was already copied).
@@ -398,8 +415,7 @@ class MemoryTier(Tier):
                 n = copy_chunk(a.layout, chunk_id, a.sources, a.region, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
-            a.events.append((chunk_id, event))
-            self._checksum_completed(a, wait=False)
+            a.events.append((chunk_id, event))  # checksummed by checksum_next or finish
         elif a.sources_address is not None:
             n, a.checksums[chunk_id] = copy_chunk_native(
                 a.layout, chunk_id, a.sources_address, a.region_address
@@ -411,6 +427,39 @@ class MemoryTier(Tier):
             )
         a.done[chunk_id] = True
         return n
+
+    @property
+    def copies_async(self) -> bool:
+        """Whether the active snapshot's copies are queued on a device stream (CUDA) rather
+        than done by ``copy_chunk`` itself; its chunks then need :meth:`checksum_next`."""
+        return self._active is not None and self._active.cuda
+
+    @property
+    def copies_in_flight(self) -> int:
+        """Device copies queued but not checksummed yet (0 on the CPU)."""
+        return 0 if self._active is None else len(self._active.events)
+
+    def checksum_next(self, *, wait: bool = True) -> bool:
+        """Checksum the oldest queued device copy once it has landed.
+
+        Args:
+            wait: wait for the copy to land; False: return False at once if it has not.
+
+        Returns:
+            Whether a chunk was checksummed (never on the CPU, where ``copy_chunk`` checksums
+            as it copies).
+        """
+        a = self._active
+        if a is None or not a.events:
+            return False
+        chunk_id, event = a.events[0]
+        if not wait and not event.query():
+            return False
+        event.synchronize()
+        a.events.pop(0)
+        start, end = a.layout.chunk_range(chunk_id)
+        a.checksums[chunk_id] = checksum(a.region[start:end], self.checksum)
+        return True
 
     def pending_chunks(self) -> list[int]:
         """Chunk ids of the active snapshot not copied yet (empty without one)."""
@@ -434,8 +483,8 @@ class MemoryTier(Tier):
             raise RuntimeError("finish() called without begin(): no snapshot is being written")
         for chunk_id in self.pending_chunks():
             self.copy_chunk(chunk_id)
-        if a.cuda:
-            self._checksum_completed(a, wait=True)
+        while self.checksum_next():
+            pass
         record = SnapshotRecord(
             step=a.step,
             rank=self.rank,
@@ -627,18 +676,6 @@ class MemoryTier(Tier):
             current.close()
         self._slots[slot] = _Slot(self._data_path(slot), num_bytes)
         return self._slots[slot]  # type: ignore[return-value]
-
-    def _checksum_completed(self, a: _Active, *, wait: bool) -> None:
-        remaining = []
-        for chunk_id, event in a.events:
-            if wait:
-                event.synchronize()
-            elif not event.query():
-                remaining.append((chunk_id, event))
-                continue
-            start, end = a.layout.chunk_range(chunk_id)
-            a.checksums[chunk_id] = checksum(a.region[start:end], self.checksum)
-        a.events = remaining
 
     def _refresh_records(self) -> None:
         # Another process (the writer) may have moved on; the files are the truth.
