@@ -252,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--name", default="gpu", help="results file name (without .json)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated modes to compare (none and bubble always run)")
+    parser.add_argument("--ckpt-root", help="where the modes write their checkpoints (default: a "
+                                            "temporary directory under $TMPDIR)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu only checks the harness (the test suite runs it --tiny)")
     args = parser.parse_args(argv)
@@ -272,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     del state
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    with tempfile.TemporaryDirectory(prefix="bubbleguard-gpu-ckpt-") as ckpt_root:
+    with tempfile.TemporaryDirectory(prefix="bubbleguard-gpu-ckpt-", dir=args.ckpt_root) as ckpt_root:
         blocks = run_interleaved(size, modes, ckpt_root, shm)
     summary = summarize(blocks, modes)
     doc = {
@@ -284,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "batch_size": size["batch_size"], "stages": 1, "dtype": "float32",
                    "block_steps": BLOCK_STEPS, "measured_steps_per_block": BLOCK_STEPS - 1,
                    "rounds": size["rounds"], "ckpt_every": 1, "persist_every": BLOCK_STEPS,
-                   "shm_root": shm or "/dev/shm"},
+                   "shm_root": shm or "/dev/shm",
+                   "ckpt_root": args.ckpt_root or tempfile.gettempdir()},
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "machine": platform.machine(), "cpu_count": os.cpu_count(),
