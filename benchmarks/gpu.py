@@ -171,7 +171,7 @@ def stage_state(size: dict[str, Any]) -> StageState:
 
 def measure_bandwidth(state: StageState, repeats: int, shm: str | None) -> dict[str, Any]:
     """Device-to-host copies of ``state`` four ways (see the module docstring)."""
-    on_gpu = torch.cuda.is_available()
+    on_gpu = any(t.is_cuda for t in state.tensors.values())
     tensors = {k: v for k, v in state.all_tensors().items() if v.is_cuda or not on_gpu}
     device_state = StageState(step=1, tensors=tensors)
     total = sum(t.numel() * t.element_size() for t in tensors.values())

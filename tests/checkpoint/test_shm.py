@@ -15,6 +15,7 @@ import torch
 
 from bubbleguard.checkpoint.errors import CorruptSnapshotError, IncompleteCheckpointError
 from bubbleguard.checkpoint.layout import NATIVE_COPY_AVAILABLE
+from bubbleguard.checkpoint.state import StageState
 from bubbleguard.checkpoint.tiers.shm import MemoryTier, remove_job, shm_job_dir
 from tests.checkpoint.ckpt_testlib import (
     assert_same_state,
@@ -53,6 +54,15 @@ def test_round_trip_is_identical_and_private(tier: MemoryTier, tmp_path: Path) -
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
     for f in tier.rank_dir.iterdir():
         assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+
+
+def test_a_state_without_tensors_round_trips(tier: MemoryTier) -> None:
+    # A stage may hold no tensors worth a byte (and a benchmark filtered them all away once):
+    # its slot file still maps (mmap refuses a zero-length file).
+    for step in (1, 2, 3):  # every slot, then one reused
+        tier.write(StageState(step=step, tensors={}, metadata={"step": step}))
+    state = tier.read(3)
+    assert state.step == 3 and dict(state.tensors) == {} and state.metadata == {"step": 3}
 
 
 def test_two_slots_keep_the_last_complete_snapshot_while_writing(tier: MemoryTier) -> None:

@@ -204,9 +204,12 @@ class Checkpointer:
                          else None)
         self.durable = DurableTier(config.ckpt_dir, process_group=persist_group,
                                    keep_last=config.keep_last)
+        # On a GPU a persist pins a slot while the helper reads it (a GB takes a few steps):
+        # a third slot keeps the next snapshots from waiting for it.
+        on_device = _stage_device(job.stage).type == "cuda"
         self.memory = MemoryTier(config.job_id or job_id_for(config.ckpt_dir), self.rank,
                                  num_ranks=self.num_ranks, root=config.shm_root,
-                                 chunk_bytes=config.chunk_bytes)
+                                 chunk_bytes=config.chunk_bytes, num_slots=3 if on_device else 2)
         self.strategy = self._make_strategy()
         job.attach_hooks(self)
 
@@ -363,6 +366,9 @@ class BubbleStrategy(SnapshotStrategy):
         # A helper process that runs in idle CPU time (see persist.py): collective.
         self.persister = BackgroundPersister(owner.memory, owner.durable)
         self.active: int | None = None
+        # GPU: a snapshot taken while the previous one is still being checksummed.
+        self.queued: tuple[int, Callable[[], StageState], Any] | None = None
+        self.on_device = _stage_device(owner.job.stage).type == "cuda"
         self.chunk_sizes: tuple[int, ...] = ()
         self.finished: int | None = None
         self.persisted: int | None = None
@@ -380,15 +386,32 @@ class BubbleStrategy(SnapshotStrategy):
                                     step=step,
                                     data_cursor={"data": dict(owner.data_state()),
                                                  "layout": owner.layout_tag()})
-            self.copier.start(pending.complete, after=_state_ready_event(owner.job.stage))
+            ready = _state_ready_event(owner.job.stage)
+            if self.active is not None:
+                # GPU: the previous snapshot's checksums are still running; this one begins
+                # when they are done (run_one), at the latest at the next CHECKPOINT.
+                self.queued = (step, pending.complete, ready)
+                return
+            self.copier.start(pending.complete, after=ready)
             self.active = step
 
+    def _start_queued(self) -> None:
+        assert self.queued is not None and self.active is None
+        step, complete, ready = self.queued
+        self.queued = None
+        self.copier.start(complete, after=ready)
+        self.active = step
+
     def has_work(self) -> bool:
-        return self.copier.has_work() or (self.commits and bool(self.to_commit))
+        return (self.copier.has_work() or self.queued is not None
+                or (self.commits and bool(self.to_commit)))
 
     def run_one(self) -> bool:
         if self.copier.run_one():
             self._on_complete()
+            return True
+        if self.queued is not None and self.active is None:
+            self._start_queued()
             return True
         if self.commits and self.to_commit:
             return self._try_commit()
@@ -424,19 +447,41 @@ class BubbleStrategy(SnapshotStrategy):
         return wrote
 
     def before_step(self) -> None:
+        if self.queued is not None:
+            # GPU, a step behind: the older snapshot's copies were ordered before the step
+            # that just ran, so finishing it only waits for checksums; then the newer begins.
+            self.copier.finish()
+            self._on_complete()
+            self._start_queued()
         if self.active is None:
             return  # nothing in flight, or the bubbles completed it
+        if self.on_device:
+            # The copies run on the device: queue what is left and order the optimizer step
+            # after them there. Their checksums and the record follow in the helper thread.
+            self.copier.queue_all()
+            self.memory.guard_copies()
+            return
         self.copier.finish()
         self._on_complete()
 
+    def _finish_all(self) -> None:
+        """Complete the snapshot in flight and the one queued behind it (blocking)."""
+        if self.active is not None:
+            self.copier.finish()
+            self._on_complete()
+        if self.queued is not None:
+            self._start_queued()
+            self.copier.finish()
+            self._on_complete()
+
     def flush(self) -> None:
-        self.before_step()
+        self._finish_all()
         if self.commits:
             self._try_commit()
         self.persister.wait()
 
     def close(self) -> None:
-        self.before_step()  # the snapshot of the last step, if one is in flight
+        self._finish_all()  # the snapshot of the last step, if one is in flight
         if self.commits:
             self._try_commit()
         if self.finished is not None and self.persisted != self.finished:
@@ -451,6 +496,11 @@ class BubbleStrategy(SnapshotStrategy):
         else:
             # Keep the snapshots: they may be the only copy of the newest state.
             self.memory.close()
+
+
+def _stage_device(module: torch.nn.Module) -> torch.device:
+    param = next(module.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 def _state_ready_event(module: torch.nn.Module) -> Any:

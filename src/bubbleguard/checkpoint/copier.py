@@ -71,6 +71,7 @@ class SnapshotCopier:
         self._copied_bytes = 0
         self._copy_s = 0.0
         self._after: Any = None
+        self._num_chunks = 0
 
     def start(self, state: StageState | Callable[[], StageState], *,
               after: Any = None) -> ChunkLayout | None:
@@ -100,6 +101,7 @@ class SnapshotCopier:
     def _begin(self, state: StageState) -> ChunkLayout:
         layout = self.tier.begin(state, after=self._after)
         self._after = None
+        self._num_chunks = layout.num_chunks
         self._pending = list(range(layout.num_chunks))
         self._pending.reverse()  # pop() from the end yields ids in ascending order
         return layout
@@ -164,13 +166,27 @@ class SnapshotCopier:
         if self._deferred is not None:  # no bubble came: capture and begin now
             deferred, self._deferred = self._deferred, None
             self._begin(deferred())
-        blocking = len(self._pending)
         self._pending = []
+        blocking = self._num_chunks - self._in_bubbles  # copied (or queued) outside run_one
         record = self.tier.finish()
         self._report = CopyReport(
             record, self._in_bubbles, blocking, self._bubble_s, time.perf_counter() - t0
         )
         return self._report
+
+    def queue_all(self) -> None:
+        """Begin the snapshot if its begin was deferred and queue every chunk left (no wait).
+
+        For device snapshots (``MemoryTier.copies_async``), at the step boundary: the copies are
+        only queued; ``MemoryTier.guard_copies`` then orders the optimizer step after them on the
+        device, and the checksums and the record follow in later ``run_one`` calls (or
+        ``finish``). On the CPU this would copy the chunks, so it is not used there.
+        """
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            self._begin(deferred())
+        while self._pending:
+            self.tier.copy_chunk(self._pending.pop())
 
     def take_report(self) -> CopyReport | None:
         """The report of the snapshot if it completed (in a bubble or by ``finish``) since the

@@ -25,7 +25,8 @@ Call order on each rank (runtime)::
     tier.commit(k)
 
 The next ``optimizer.step()`` must not start before ``finish()`` returns (parameters would change
-under the copy). With two slots, ``begin(k + 2)`` overwrites step k, so a rank must not begin k+2
+under the copy); on a GPU, ``guard_copies()`` orders it after the queued copies on the device
+instead, and ``finish()`` may come later (before the next ``begin``). With two slots, ``begin(k + 2)`` overwrites step k, so a rank must not begin k+2
 before step k+1 is complete on every rank, or a crash in between leaves no common step; pass
 ``num_slots=3`` to be safe without that rule (pipeline ranks are never more than one snapshot
 apart).
@@ -183,10 +184,11 @@ class _Slot:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.fchmod(fd, 0o600)
-            if os.fstat(fd).st_size != num_bytes:
-                os.ftruncate(fd, num_bytes)
-            # mmap of length 0 is not allowed; an empty state still gets a page.
-            self.mm = mmap.mmap(fd, max(num_bytes, 1))
+            # mmap of length 0 is not allowed: the file of an empty state holds one byte.
+            file_bytes = max(num_bytes, 1)
+            if os.fstat(fd).st_size != file_bytes:
+                os.ftruncate(fd, file_bytes)
+            self.mm = mmap.mmap(fd, file_bytes)
         finally:
             os.close(fd)
         self.num_bytes = num_bytes
@@ -433,6 +435,16 @@ class MemoryTier(Tier):
         """Whether the active snapshot's copies are queued on a device stream (CUDA) rather
         than done by ``copy_chunk`` itself; its chunks then need :meth:`checksum_next`."""
         return self._active is not None and self._active.cuda
+
+    def guard_copies(self) -> None:
+        """Make the current CUDA stream wait for every copy queued so far (no CPU wait).
+
+        Call before queuing work that changes the state (the next ``optimizer.step()``): the
+        device runs it only after the copies have read the state. Nothing to do on the CPU.
+        """
+        a = self._active
+        if a is not None and a.cuda:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
 
     @property
     def copies_in_flight(self) -> int:
