@@ -62,6 +62,10 @@ def test_device_copies_are_queued_after_the_step_and_land_checksummed(shm_root: 
     with warnings.catch_warnings():
         # A failed cudaHostRegister warns (copies would block): fail instead.
         warnings.filterwarnings("error", message="cudaHostRegister")
+        # The first snapshot into a slot registers it with the driver, which waits for the
+        # whole device (seen on an H200): fill both slots first, as a job's first steps do.
+        for step in (1, 2):
+            tier.write(StageState(step=step, tensors=tensors, local_tensors={"rng.torch": cpu_rng}))
         torch.cuda.synchronize()
         torch.cuda._sleep(GPU_SLEEP_CYCLES)  # the GPU is busy for a while ...
         tensors["w"].fill_(7.0)  # ... then the "optimizer step" writes the state

@@ -11,15 +11,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bubbleguard.checkpoint.checksum import checksum
+from bubbleguard.checkpoint.checksum import MASK64, checksum
 from bubbleguard.checkpoint.layout import (
     NATIVE_COPY_AVAILABLE,
     ChunkLayout,
     copy_chunk,
     copy_chunk_checksummed,
+    copy_chunk_device,
     copy_chunk_native,
     flat_bytes,
     tensors_from_region,
+    word_sum,
 )
 
 needs_native = pytest.mark.skipif(not NATIVE_COPY_AVAILABLE,
@@ -172,6 +174,40 @@ def test_native_copy_equals_copy_then_checksum(tensors, chunk_units) -> None:
         assert copy_chunk_native(layout, cid, addresses, native.data_ptr()) == (
             n, checksum(plain[start:end], "sum64"))
     assert torch.equal(plain, native)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_bytes", [0, 1, 7, 8, 9, 63, 64, (1 << 20) + 61])
+def test_word_sum_is_the_checksum_of_the_bytes_padded_to_a_word(device: str,
+                                                                num_bytes: int) -> None:
+    data = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=torch.Generator()
+                         .manual_seed(num_bytes)).to(device)
+    padded = torch.zeros(-(-num_bytes // 8) * 8, dtype=torch.uint8)
+    padded[:num_bytes] = data.cpu()
+    assert int(word_sum(data)) & MASK64 == checksum(padded, "sum64")
+
+
+@settings(max_examples=60, deadline=None)
+@given(tensors=tensor_sets(), chunk_units=st.integers(1, 8))
+def test_device_chunk_copy_sums_equal_copy_then_checksum(tensors, chunk_units) -> None:
+    # CPU tensors take the host branch here (tests/checkpoint/test_cuda.py covers the device one,
+    # and word_sum above is its arithmetic on any device).
+    layout = ChunkLayout.build(tensors, chunk_bytes=64 * chunk_units)
+    plain = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    queued = torch.zeros(layout.total_bytes, dtype=torch.uint8)  # padding zero, as required
+    sources = {k: flat_bytes(v) for k, v in tensors.items()}
+    for cid in range(layout.num_chunks):
+        n = copy_chunk(layout, cid, sources, plain)
+        start, end = layout.chunk_range(cid)
+        result = copy_chunk_device(layout, cid, sources, queued)
+        assert result is not None
+        copied, host, device = result
+        assert device is None  # no device tensors
+        assert (copied, host) == (n, checksum(plain[start:end], "sum64"))
+    assert torch.equal(plain, queued)
 
 
 @needs_native

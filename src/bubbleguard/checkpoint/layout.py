@@ -339,6 +339,72 @@ def copy_chunk_native(
     return n, value & MASK64
 
 
+def word_sum(data: torch.Tensor) -> torch.Tensor:
+    """The ``sum64`` of a flat ``uint8`` tensor's bytes, the last word zero-padded, as a 0-dim
+    ``int64`` tensor on its device (queued there, no sync). Its start must be 8-byte aligned.
+
+    Modulo 2**64 (read it with ``int(...) & MASK64``), it is what :func:`checksum` gives for the
+    same bytes followed by zeros up to a multiple of 8.
+    """
+    n = data.numel()
+    whole = n - n % 8
+    total = (data[:whole].view(torch.int64).sum() if whole
+             else torch.zeros((), dtype=torch.int64, device=data.device))
+    if whole < n:
+        tail = torch.zeros(8, dtype=torch.uint8, device=data.device)
+        tail[: n - whole] = data[whole:]
+        total = total + tail.view(torch.int64).sum()
+    return total
+
+
+def copy_chunk_device(
+    layout: ChunkLayout,
+    chunk_id: int,
+    sources: Mapping[str, torch.Tensor],
+    region: torch.Tensor,
+) -> tuple[int, int, torch.Tensor | None] | None:
+    """Queue chunk ``chunk_id``'s copies from device tensors, and its ``sum64``, on the current
+    CUDA stream (a snapshot's side stream).
+
+    The checksum is computed by the device from the source bytes, so the host never reads the
+    snapshot: each piece's 8-byte words (the last zero-padded) are summed there, pieces from CPU
+    tensors (RNG states) on the host as they are copied. It equals ``checksum(region[chunk],
+    "sum64")`` once the copies have landed, when the region's padding bytes are zero.
+
+    Args:
+        layout: the layout.
+        chunk_id: which chunk.
+        sources: name -> :func:`flat_bytes` of each tensor (CUDA or CPU).
+        region: the flat ``uint8`` host region (pinned, for the copies to be asynchronous).
+
+    Returns:
+        (bytes copied, the host pieces' sum, the device pieces' sum as a 0-dim ``int64`` device
+        tensor or None without device pieces); the chunk's checksum is their sum modulo 2**64.
+        None if a device piece does not start on an 8-byte boundary: then nothing was queued,
+        and the caller copies with :func:`copy_chunk` and checksums the landed bytes.
+    """
+    segments = layout.segments(chunk_id)
+    for seg in segments:
+        src = sources[seg.name]
+        if src.is_cuda and (src.data_ptr() + seg.tensor_offset) % 8:
+            return None
+    n = 0
+    host = 0
+    device_parts: list[torch.Tensor] = []
+    for seg in segments:
+        src = sources[seg.name][seg.tensor_offset : seg.tensor_offset + seg.num_bytes]
+        dst = region[seg.region_offset : seg.region_offset + seg.num_bytes]
+        dst.copy_(src, non_blocking=True)
+        n += seg.num_bytes
+        if src.is_cuda:
+            device_parts.append(word_sum(src))
+        else:  # copied already (host to host); the padding after it is zero
+            end = seg.region_offset + _align8(seg.num_bytes)
+            host += int(np.add.reduce(region[seg.region_offset : end].numpy().view(np.uint64)))
+    device = torch.stack(device_parts).sum() if device_parts else None
+    return n, host & MASK64, device
+
+
 def tensors_from_region(layout: ChunkLayout, region: torch.Tensor) -> dict[str, torch.Tensor]:
     """Typed views of ``region`` (flat ``uint8``, CPU) for every tensor of ``layout``; no copies.
 
@@ -366,6 +432,10 @@ def dtype_from_str(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r} (expected e.g. 'torch.float32')")
     return dtype
+
+
+def _align8(n: int) -> int:
+    return -(-n // 8) * 8
 
 
 def _align(n: int) -> int:

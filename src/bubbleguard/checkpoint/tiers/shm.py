@@ -37,8 +37,10 @@ its checksums.
 
 On a GPU, chunks whose tensors are on CUDA are copied on a side stream straight into the shared
 memory, registered as pinned host memory (``cudaHostRegister``): ``copy_chunk`` only queues the
-copy (the copy engine runs it alongside compute), and ``checksum_next`` checksums the oldest
-queued chunk once its copy has landed; ``finish`` waits for whatever is left. The copies are
+copy (the copy engine runs it alongside compute) and the chunk's ``sum64`` (the device sums the
+words it copies, so the host never reads the snapshot; ``layout.copy_chunk_device``), and
+``checksum_next`` completes the oldest queued chunk once it has landed; ``finish`` waits for
+whatever is left. The copies are
 ordered after the work that produced the state: ``begin(state, after=event)`` with a CUDA event
 recorded right after ``optimizer.step()``, or, without one, after everything queued on the
 current stream so far. On the CPU each chunk is copied and
@@ -67,7 +69,7 @@ import numpy as np
 import torch
 
 from bubbleguard.checkpoint.atomic import atomic_write_json, fsync_dir
-from bubbleguard.checkpoint.checksum import check_algorithm, checksum
+from bubbleguard.checkpoint.checksum import MASK64, check_algorithm, checksum
 from bubbleguard.checkpoint.errors import CorruptSnapshotError, IncompleteCheckpointError
 from bubbleguard.checkpoint.layout import (
     DEFAULT_CHUNK_BYTES,
@@ -75,6 +77,7 @@ from bubbleguard.checkpoint.layout import (
     ChunkLayout,
     copy_chunk,
     copy_chunk_checksummed,
+    copy_chunk_device,
     copy_chunk_native,
     flat_bytes,
     tensors_from_region,
@@ -93,6 +96,7 @@ from bubbleguard.checkpoint.tiers.base import Tier
 DEFAULT_SHM_ROOT = Path("/dev/shm")
 RECORD_FORMAT = "bubbleguard-shm-record/1"
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SLOT_FILE = re.compile(r"^slot(\d{1,3})\.bin$")
 
 
 def shm_job_dir(job_id: str, root: str | os.PathLike[str] | None = None) -> Path:
@@ -252,6 +256,10 @@ class _Active:
     sources_address: dict[str, int] | None = None  # native copies
     region_address: int = 0
     events: list[tuple[int, Any]] = field(default_factory=list)
+    # Device copies: each chunk's checksum as (host part, slot of its device part in
+    # device_sums), summed by the device; None: checksummed on the host once landed.
+    partial_sums: list[int | None] = field(default_factory=list)
+    device_sums: torch.Tensor | None = None  # pinned int64, one per chunk
 
 
 class MemoryTier(Tier):
@@ -289,11 +297,11 @@ class MemoryTier(Tier):
         create: bool = True,
         native_copy: bool | None = None,
     ) -> None:
+        if native_copy and checksum != "sum64":
+            raise ValueError(f"native_copy computes sum64 checksums, not {checksum!r}")
         if native_copy and not NATIVE_COPY_AVAILABLE:
             raise ValueError("native_copy=True, but the C extension bubbleguard.checkpoint._copysum "
                              "was not built (install with a C compiler present)")
-        if native_copy and checksum != "sum64":
-            raise ValueError(f"native_copy computes sum64 checksums, not {checksum!r}")
         if not 0 <= rank < num_ranks:
             raise ValueError(f"rank must be in [0, num_ranks={num_ranks}), got {rank}")
         if num_slots < 2:
@@ -319,6 +327,11 @@ class MemoryTier(Tier):
             raise FileNotFoundError(
                 f"no memory-tier snapshots for rank {rank}: {self.rank_dir} does not exist"
             )
+        # The files are the truth: a writer may have used more slots than asked for here (a
+        # GPU job keeps three; a persist helper or a resume on the CPU reads them all).
+        found = [int(m.group(1)) for p in self.rank_dir.glob("slot*.bin")
+                 if (m := _SLOT_FILE.match(p.name))] if self.rank_dir.is_dir() else []
+        num_slots = self.num_slots = max(num_slots, max(found, default=-1) + 1)
         self._slots: list[_Slot | None] = [None] * num_slots
         self._records: list[SnapshotRecord | None] = [
             self._load_record(i) for i in range(num_slots)
@@ -329,6 +342,7 @@ class MemoryTier(Tier):
         self._layout: ChunkLayout | None = None
         self._active: _Active | None = None
         self._stream: Any = None
+        self._device_sums: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- writing
 
@@ -375,8 +389,15 @@ class MemoryTier(Tier):
             else:
                 self._stream.wait_stream(torch.cuda.current_stream(device))
         native = self.native_copy and not use_cuda
-        if native:
+        device_sums = None
+        if native or (use_cuda and self.checksum == "sum64"):
+            # The native copy and device checksums sum the tensors' bytes only.
             mapped.zero_padding(layout)
+        if use_cuda and self.checksum == "sum64":
+            if self._device_sums is None or self._device_sums.numel() != layout.num_chunks:
+                self._device_sums = torch.zeros(layout.num_chunks, dtype=torch.int64,
+                                                pin_memory=True)
+            device_sums = self._device_sums
         self._active = _Active(
             step=state.step,
             slot=slot,
@@ -394,6 +415,8 @@ class MemoryTier(Tier):
             region_np=None if use_cuda or native else mapped.region.numpy(),
             sources_address={k: v.data_ptr() for k, v in sources.items()} if native else None,
             region_address=mapped.region.data_ptr(),
+            partial_sums=[None] * layout.num_chunks,
+            device_sums=device_sums,
         )
         return layout
 
@@ -414,7 +437,18 @@ class MemoryTier(Tier):
             return 0
         if a.cuda:
             with torch.cuda.stream(self._stream):
-                n = copy_chunk(a.layout, chunk_id, a.sources, a.region, non_blocking=True)
+                queued = (copy_chunk_device(a.layout, chunk_id, a.sources, a.region)
+                          if a.device_sums is not None else None)
+                if queued is None:  # crc32, or a misaligned device tensor: host checksum
+                    n = copy_chunk(a.layout, chunk_id, a.sources, a.region, non_blocking=True)
+                else:
+                    n, a.partial_sums[chunk_id], device_sum = queued
+                    sums = a.device_sums
+                    assert sums is not None
+                    if device_sum is None:  # only host tensors in this chunk
+                        sums[chunk_id] = 0
+                    else:
+                        sums[chunk_id].copy_(device_sum, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
             a.events.append((chunk_id, event))  # checksummed by checksum_next or finish
@@ -469,8 +503,13 @@ class MemoryTier(Tier):
             return False
         event.synchronize()
         a.events.pop(0)
-        start, end = a.layout.chunk_range(chunk_id)
-        a.checksums[chunk_id] = checksum(a.region[start:end], self.checksum)
+        partial = a.partial_sums[chunk_id]
+        if partial is not None:  # summed by the device, from the bytes it copied
+            assert a.device_sums is not None
+            a.checksums[chunk_id] = (partial + int(a.device_sums[chunk_id])) & MASK64
+        else:
+            start, end = a.layout.chunk_range(chunk_id)
+            a.checksums[chunk_id] = checksum(a.region[start:end], self.checksum)
         return True
 
     def pending_chunks(self) -> list[int]:
