@@ -79,3 +79,28 @@ def test_what_the_helper_persists_loads_with_plain_dcp(tmp_path: Path) -> None:
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)
     assert_same_tensors(whole, {k: v.clone() for k, v in state.tensors.items()})
     memory.cleanup()
+
+
+def test_the_slot_stays_pinned_until_the_helper_has_written_it(tmp_path: Path) -> None:
+    # The helper saves straight from the shared memory: while it writes step 1, the rank
+    # snapshots steps 2..6 as fast as it can; none may land in step 1's slot before the save
+    # is done, or the durable step 1 would mix in later bytes.
+    from bubbleguard.checkpoint.persist import BackgroundPersister
+    from bubbleguard.checkpoint.state import StageState
+    from tests.checkpoint.ckpt_testlib import trained_state
+
+    *_, state = trained_state(1)
+    memory = MemoryTier("p", 0, root=tmp_path, chunk_bytes=1024, num_slots=3)
+    memory.write(state)
+    persister = BackgroundPersister(memory, DurableTier(tmp_path / "d"))
+    persister.submit(1)
+    for step in range(2, 7):
+        later = {k: v + step if v.is_floating_point() else v.clone()
+                 for k, v in state.tensors.items()}
+        memory.write(StageState(step=step, tensors=later, metadata=dict(state.metadata)))
+    results = persister.close(timeout_s=60)
+    assert [(r.step, r.persisted) for r in results] == [(1, True)]
+    assert_same_tensors(dict(DurableTier(tmp_path / "d").read(1).tensors), dict(state.tensors))
+    assert memory.steps()[0] == 6  # the rank never waited for the persist
+    memory.cleanup()
+

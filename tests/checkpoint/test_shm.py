@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import signal
 import stat
+import struct
 import threading
 import time
 from pathlib import Path
@@ -63,6 +64,26 @@ def test_a_state_without_tensors_round_trips(tier: MemoryTier) -> None:
         tier.write(StageState(step=step, tensors={}, metadata={"step": step}))
     state = tier.read(3)
     assert state.step == 3 and dict(state.tensors) == {} and state.metadata == {"step": 3}
+
+
+def test_a_mapped_snapshot_is_the_slot_file_itself_checked(tier: MemoryTier) -> None:
+    *_, state = trained_state(2)
+    tier.write(state)
+    record = tier.records()[0]
+    with tier.mapped(2) as snap:
+        assert_same_state(snap, state)
+        # Not a copy: a byte written into the file shows through the tensor.
+        name, tensor = next((k, v) for k, v in snap.tensors.items()
+                            if v.dtype == torch.float32 and v.numel())
+        where = next(t for t in record.layout.tensors if t.name == name)
+        with open(tier.rank_dir / f"slot{record.slot}.bin", "r+b") as f:
+            f.seek(where.region_offset)
+            f.write(struct.pack("<f", 123.5))
+        assert tensor.reshape(-1)[0].item() == 123.5
+    chunk = where.region_offset // CHUNK
+    with pytest.raises(CorruptSnapshotError, match=f"chunk {chunk} .* fails its sum64"), \
+            tier.mapped(2):
+        pass
 
 
 def test_readers_see_every_slot_a_writer_used(tmp_path: Path) -> None:

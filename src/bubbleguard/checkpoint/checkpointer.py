@@ -204,12 +204,12 @@ class Checkpointer:
                          else None)
         self.durable = DurableTier(config.ckpt_dir, process_group=persist_group,
                                    keep_last=config.keep_last)
-        # On a GPU a persist pins a slot while the helper reads it (a GB takes a few steps):
-        # a third slot keeps the next snapshots from waiting for it.
-        on_device = _stage_device(job.stage).type == "cuda"
+        # A persist pins its slot until the helper has written it (it saves straight from
+        # shared memory, in idle time: that can take a few steps); with a third slot the next
+        # snapshots never wait for it (the newest complete one and the pinned one are kept).
         self.memory = MemoryTier(config.job_id or job_id_for(config.ckpt_dir), self.rank,
                                  num_ranks=self.num_ranks, root=config.shm_root,
-                                 chunk_bytes=config.chunk_bytes, num_slots=3 if on_device else 2)
+                                 chunk_bytes=config.chunk_bytes, num_slots=3)
         self.strategy = self._make_strategy()
         job.attach_hooks(self)
 

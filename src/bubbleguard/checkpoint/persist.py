@@ -5,8 +5,8 @@ writes). As a thread of the training process it would hold the training thread's
 milliseconds at a time, and at a low CPU priority it could be preempted while holding it,
 stalling training outright; measured on the 2-core dev machine, a persist every 10 steps as a
 thread slowed the next four steps by 105 ms in all (4% of training time). The snapshot is
-already in shared memory, so a helper process reads it from there: only step numbers cross the
-process boundary. See :mod:`bubbleguard.checkpoint.persist_helper` for the helper's side.
+already in shared memory, so a helper process maps it from there and DCP writes it from the
+mapping: only step numbers cross the process boundary, and no byte is copied before the write. See :mod:`bubbleguard.checkpoint.persist_helper` for the helper's side.
 
 Call order (every rank, same order)::
 
@@ -15,7 +15,9 @@ Call order (every rank, same order)::
 
     # every rank, same steps, same order, once step k is committed in the memory tier:
     persister.submit(k)            # returns at once; k's slot stays pinned until the helper
-                                   # has read it (milliseconds), so the rank cannot overwrite it
+                                   # has written it (the helper saves straight from the shared
+                                   # memory), so the rank cannot overwrite it meanwhile: give
+                                   # the memory tier three slots, or a snapshot may wait for it
 
     persister.raise_if_failed()    # any time: a dead helper is re-raised on the training thread
     persister.wait()               # block until every submitted persist is done (flush)

@@ -1,4 +1,4 @@
-"""The persist helper process: reads committed snapshots from shared memory, writes them with DCP.
+"""The persist helper process: maps committed snapshots in shared memory, writes them with DCP.
 
 Started by :class:`bubbleguard.checkpoint.persist.BackgroundPersister`, one per training rank, as
 ``python -m bubbleguard.checkpoint.persist_helper CONFIG_JSON FD``; it talks to its rank over the
@@ -7,9 +7,9 @@ socket ``FD`` in JSON messages (one per ``send_bytes``):
 * from the rank: ``{"kind": "persist", "step": k, "error": null}`` (persist step k; with an
   ``error`` text when the rank lacks the snapshot, so that this helper still takes part in the
   agreement) and ``{"kind": "stop"}``;
-* to the rank: ``ready`` once its process group is up, ``released`` (step k's slot has been read
-  into private memory and may be reused), ``done`` (a :class:`PersistResult` as JSON) and
-  ``fatal`` (a traceback; the helper exits).
+* to the rank: ``ready`` once its process group is up, ``released`` (step k's slot has been
+  written to durable storage, or the persist gave up, and may be reused), ``done`` (a
+  :class:`PersistResult` as JSON) and ``fatal`` (a traceback; the helper exits).
 
 The helpers of all ranks form a gloo process group of their own (rendezvous on a TCP store that
 rank 0's persister serves), so DCP's collectives never touch the training processes. The helper
@@ -19,6 +19,7 @@ runs only in CPU time the ranks leave idle (``SCHED_IDLE``) and dies with its ra
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import gc
@@ -82,54 +83,38 @@ def _agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
-class _Buffer:
-    """The helper's private copy of a snapshot, reused from one persist to the next.
+def _persist(memory: MemoryTier, durable: DurableTier, step: int,
+             error: str | None) -> dict[str, Any]:
+    """One persist: map step's snapshot (checksums verified), agree, save. Returns the result.
 
-    A fresh buffer per persist costs page faults and the kernel zeroing the pages: reading a
-    44 MB stage state took 27 ms of CPU into a fresh buffer and 16 ms into a reused one.
+    DCP writes the tensors straight from the read-only mapping of the slot file: no private
+    copy (a copy of a 44 MB stage cost 9 ms of CPU and as many bytes through the caches of the
+    rank's core). The rank keeps the slot pinned until this helper says ``released``, after the
+    save (``main``), so it cannot be overwritten meanwhile.
     """
-
-    def __init__(self) -> None:
-        self.tensor = torch.empty(0, dtype=torch.uint8)
-
-    def at_least(self, num_bytes: int) -> torch.Tensor:
-        if self.tensor.numel() < num_bytes:
-            self.tensor = torch.empty(num_bytes, dtype=torch.uint8)
-        return self.tensor
-
-
-def _persist(memory: MemoryTier, durable: DurableTier, conn: Connection, buffer: _Buffer,
-             step: int, error: str | None) -> dict[str, Any]:
-    """One persist: read step's snapshot, release its slot, agree, save. Returns the result.
-
-    Persists run one after the other, so the previous one's tensors (views of ``buffer``) are
-    written before the buffer is read into again.
-    """
-    state: StageState | None = None
-    if error is None:
-        try:
-            record = next((r for r in memory.records() if r.step == step), None)
-            out = buffer.at_least(record.layout.total_bytes) if record is not None else None
-            state = memory.read(step, out=out)  # a private copy, checksums verified
-        except (OSError, ValueError) as e:
-            error = str(e)
-    conn.send_bytes(json.dumps({"kind": "released", "step": step}).encode())
     result: dict[str, Any] = {"step": step, "persisted": False, "error": error,
                               "num_bytes": 0, "duration_s": 0.0}
-    if not _agree(state is not None):
-        result["error"] = error or "another rank lacks this snapshot"
+    with contextlib.ExitStack() as mapping:
+        state: StageState | None = None
+        if error is None:
+            try:
+                state = mapping.enter_context(memory.mapped(step))
+            except (OSError, ValueError) as e:
+                result["error"] = str(e)
+        if not _agree(state is not None):
+            result["error"] = result["error"] or "another rank lacks this snapshot"
+            return result
+        assert state is not None
+        start = time.perf_counter()
+        try:
+            durable.save(state)
+        except (OSError, ValueError, CheckpointError) as e:
+            # Storage trouble (full disk, permissions) is reported per step; training goes on.
+            result["error"] = str(e)
+            return result
+        result.update(persisted=True, num_bytes=state.num_bytes,
+                      duration_s=time.perf_counter() - start)
         return result
-    assert state is not None
-    start = time.perf_counter()
-    try:
-        durable.save(state)
-    except (OSError, ValueError, CheckpointError) as e:
-        # Storage trouble (full disk, permissions) is reported per step; training goes on.
-        result["error"] = str(e)
-        return result
-    result.update(persisted=True, num_bytes=state.num_bytes,
-                  duration_s=time.perf_counter() - start)
-    return result
 
 
 def main(argv: list[str]) -> int:
@@ -155,7 +140,6 @@ def main(argv: list[str]) -> int:
                             num_ranks=int(cfg["memory_num_ranks"]), root=cfg["shm_root"],
                             create=False)
         durable = DurableTier(cfg["durable_url"], keep_last=int(cfg["keep_last"]))
-        buffer = _Buffer()
         # Python's full collections scan every object alive; after importing torch that is
         # hundreds of thousands, and DCP's planning makes enough garbage to trigger one every
         # few persists: 0.4-0.5 s of CPU each here, more than the persists themselves. What
@@ -169,8 +153,11 @@ def main(argv: list[str]) -> int:
                 return 1  # the rank is gone
             if msg["kind"] == "stop":
                 return 0
-            result = _persist(memory, durable, conn, buffer, int(msg["step"]),
-                              msg.get("error"))
+            step = int(msg["step"])
+            try:
+                result = _persist(memory, durable, step, msg.get("error"))
+            finally:  # the slot is free again, whatever happened
+                conn.send_bytes(json.dumps({"kind": "released", "step": step}).encode())
             conn.send_bytes(json.dumps({"kind": "done", **result}).encode())
     except Exception:  # reported to the rank, which re-raises it on its training thread
         try:

@@ -51,6 +51,7 @@ checksummed in one pass: by the C extension with streaming stores where it was b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -654,6 +655,21 @@ class MemoryTier(Tier):
         raise first_error
 
     @contextmanager
+    def mapped(self, step: int) -> Iterator[StageState]:
+        """This rank's snapshot of ``step``, checksums verified, as tensors over a read-only
+        mapping of its slot file: no copy (the persist helper writes it to DCP from there).
+
+        Valid inside the block only, and only while the writer leaves the slot alone: the
+        writing rank pins it (:meth:`hold`, via the persister) until the helper is done.
+
+        Raises:
+            FileNotFoundError: no complete snapshot of ``step`` on this rank.
+            CorruptSnapshotError: a chunk fails its checksum (names the chunk and the file).
+        """
+        with self.hold(step) as record, map_snapshot(self.rank_dir, record) as state:
+            yield state
+
+    @contextmanager
     def hold(self, step: int) -> Iterator[SnapshotRecord]:
         """Keep ``begin`` away from the slot of ``step`` while the block runs.
 
@@ -776,6 +792,49 @@ def read_snapshot(rank_dir: Path, record: SnapshotRecord, *,
         raise CorruptSnapshotError(
             f"snapshot of step {record.step}: {path} holds {n} bytes, its record expects {layout.total_bytes}"
         )
+    return _verified_state(record, buf, path)
+
+
+@contextmanager
+def map_snapshot(rank_dir: Path, record: SnapshotRecord) -> Iterator[StageState]:
+    """The snapshot ``record`` describes, verified, as tensors over a read-only mapping of its
+    slot file: no copy of the bytes (see :meth:`MemoryTier.mapped`).
+
+    Raises:
+        CorruptSnapshotError: data missing, short, or a chunk failing its checksum.
+    """
+    path = rank_dir / f"slot{record.slot}.bin"
+    total = record.layout.total_bytes
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < max(total, 1):
+                raise CorruptSnapshotError(f"snapshot of step {record.step}: {path} holds {size} "
+                                           f"bytes, its record expects {total}")
+            mm = mmap.mmap(f.fileno(), max(total, 1), prot=mmap.PROT_READ)
+    except FileNotFoundError:
+        raise CorruptSnapshotError(
+            f"snapshot of step {record.step}: data file {path} is missing") from None
+    region: torch.Tensor | None = None
+    state: StageState | None = None
+    try:
+        with warnings.catch_warnings():
+            # Read-only memory: torch warns that writing to these tensors is undefined; they
+            # are only read (serialised).
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            region = (torch.frombuffer(mm, dtype=torch.uint8)[:total] if total
+                      else torch.empty(0, dtype=torch.uint8))
+        state = _verified_state(record, region, path)
+        yield state
+    finally:
+        region = state = None  # our references go before the mapping
+        with contextlib.suppress(BufferError):
+            mm.close()  # unless the caller still holds a tensor: then the mapping goes with it
+
+
+def _verified_state(record: SnapshotRecord, buf: torch.Tensor, path: Path) -> StageState:
+    """The state in ``buf`` (the slot's bytes), each chunk checked against the record."""
+    layout = record.layout
     for chunk_id, expected in enumerate(record.checksums):
         start, end = layout.chunk_range(chunk_id)
         if checksum(buf[start:end], record.checksum) != expected:
@@ -783,7 +842,9 @@ def read_snapshot(rank_dir: Path, record: SnapshotRecord, *,
                 f"snapshot of step {record.step}: chunk {chunk_id} (bytes {start}-{end}) of "
                 f"{path} fails its {record.checksum} checksum"
             )
-    tensors = tensors_from_region(layout, buf)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        tensors = tensors_from_region(layout, buf)
     local = set(record.local_names)
     return StageState(
         step=record.step,
