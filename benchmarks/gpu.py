@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from bubbleguard.checkpoint.checkpointer import CheckpointConfig, Checkpointer, job_id_for
+from bubbleguard.checkpoint.checkpointer import job_id_for
 from bubbleguard.checkpoint.copier import SnapshotCopier
 from bubbleguard.checkpoint.state import StageState, capture_state
 from bubbleguard.checkpoint.tiers.shm import MemoryTier, remove_job
@@ -54,8 +54,9 @@ from overhead import (  # noqa: E402 -- the sibling benchmark's method, reused
     MODES,
     block_order,
     goals,
+    mode_checkpointers,
     mode_table,
-    newest_durable_step,
+    run_blocks,
     summarize,
 )
 
@@ -107,15 +108,11 @@ def shm_root(state_bytes: int) -> str | None:
 
 def run_interleaved(size: dict[str, Any], modes: Sequence[str], ckpt_root: str,
                     shm: str | None) -> list[dict[str, Any]]:
-    """Every mode's blocks in turn in this process (see the module docstring)."""
+    """Every mode's blocks in turn in this process (see the module docstring); per-rank
+    figures under rank "0", as ``overhead.summarize`` reads them."""
     job = build_job(size)
     batches = Batches(size)
-    ckpts = {mode: Checkpointer(job, CheckpointConfig(mode=mode, ckpt_dir=f"{ckpt_root}/ckpt-{mode}",
-                                                      every=1, persist_every=BLOCK_STEPS,
-                                                      keep_last=2, shm_root=shm),
-                                data_state=batches.state_dict)
-             for mode in modes if mode != "none"}
-    job.detach_hooks()
+    ckpts = mode_checkpointers(job, modes, ckpt_root, batches.state_dict, shm)
 
     def step() -> tuple[float, dict[str, float]]:
         inputs, targets = batches.next()
@@ -123,40 +120,16 @@ def run_interleaved(size: dict[str, Any], modes: Sequence[str], ckpt_root: str,
         job.step(inputs, targets)  # returns the loss as a float: the step ends on the device
         return time.perf_counter() - start, dict(job.last_stats)
 
-    for _ in range(BLOCK_STEPS - 1):
-        step()
-    blocks = []
     try:
-        for round_index, mode in block_order(modes, size["rounds"]):
-            ckpt = ckpts.get(mode)
-            if ckpt is None:
-                job.detach_hooks()
-            else:
-                job.attach_hooks(ckpt)
-            first = job.step_count + 1
-            times, stats = [], []
-            for _ in range(BLOCK_STEPS):
-                dt, s = step()
-                times.append(dt)
-                stats.append(s)
-            start = time.perf_counter()
-            if ckpt is not None:
-                ckpt.flush()
-            flush_s = time.perf_counter() - start
-            per_rank = {key: {"0": [s[name] for s in stats[1:]]}
-                        for key, name in (("blocking_s", "ckpt_blocking_s"),
-                                          ("bubble_s", "ckpt_bubble_s"),
-                                          ("overrun_s", "ckpt_overrun_s"))}
-            blocks.append({"round": round_index, "mode": mode, "first_step": first,
-                           "step_times_s": times[1:], **per_rank, "flush_s": {"0": flush_s},
-                           "durable_step": {"0": newest_durable_step(ckpt)}})
+        blocks = run_blocks(job, ckpts, step, block_order(modes, size["rounds"]))
     finally:
         for ckpt in ckpts.values():
             ckpt.close()
         job.close()
         for mode in modes:
             remove_job(job_id_for(f"{ckpt_root}/ckpt-{mode}"), shm)
-    return blocks
+    per_rank = ("blocking_s", "bubble_s", "overrun_s", "flush_s", "durable_step")
+    return [{**b, **{key: {"0": b[key]} for key in per_rank}} for b in blocks]
 
 
 # ------------------------------------------------------------------------------ copy bandwidth

@@ -58,7 +58,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ import torch
 
 from bubbleguard.checkpoint.baselines import SyncSave
 from bubbleguard.checkpoint.checkpointer import (
+    BubbleStrategy,
     CheckpointConfig,
     Checkpointer,
     job_id_for,
@@ -123,13 +124,7 @@ def bench_worker(cfg: TrainConfig, modes: Sequence[str], rounds: int, ckpt_root:
     """One rank of the interleaved job: every mode's blocks in turn (see the module docstring)."""
     ranked = start_rank(cfg)
     job = ranked.job
-    ckpts = {mode: Checkpointer(job, CheckpointConfig(mode=mode, ckpt_dir=f"{ckpt_root}/ckpt-{mode}",
-                                                      every=1, persist_every=BLOCK_STEPS,
-                                                      keep_last=2),
-                                data_state=ranked.batches.state_dict)
-             for mode in modes if mode != "none"}
-    job.detach_hooks()
-    blocks: list[dict[str, Any]] = []
+    ckpts = mode_checkpointers(job, modes, ckpt_root, ranked.batches.state_dict)
     losses: list[float | None] = []
 
     def step() -> tuple[float, dict[str, float]]:
@@ -138,9 +133,41 @@ def bench_worker(cfg: TrainConfig, modes: Sequence[str], rounds: int, ckpt_root:
         losses.append(job.step(inputs, targets))
         return time.perf_counter() - start, dict(job.last_stats)
 
+    blocks = run_blocks(job, ckpts, step, block_order(modes, rounds))
+    for ckpt in ckpts.values():
+        ckpt.close()
+    job.close()
+    torch.distributed.destroy_process_group()
+    return {"rank": ranked.rank, "blocks": blocks, "losses": losses}
+
+
+def mode_checkpointers(job: Any, modes: Sequence[str], ckpt_root: str, data_state: Any,
+                       shm_root: str | None = None) -> dict[str, Checkpointer]:
+    """One checkpointer per mode but ``none`` (each with its own directory), all detached."""
+    ckpts = {mode: Checkpointer(job, CheckpointConfig(mode=mode, ckpt_dir=f"{ckpt_root}/ckpt-{mode}",
+                                                      every=1, persist_every=BLOCK_STEPS,
+                                                      keep_last=2, shm_root=shm_root),
+                                data_state=data_state)
+             for mode in modes if mode != "none"}
+    job.detach_hooks()
+    return ckpts
+
+
+def run_blocks(job: Any, ckpts: dict[str, Checkpointer],
+               step: Callable[[], tuple[float, dict[str, float]]],
+               order: Sequence[tuple[int, str]]) -> list[dict[str, Any]]:
+    """Run every (round, mode) block of ``order`` in turn (see the module docstring).
+
+    ``step()`` runs one training step and returns its time and ``job.last_stats``. First
+    ``BLOCK_STEPS - 1`` steps so that blocks start at multiples of 10; then per block: attach
+    the mode's checkpointer (none for ``none``), ``BLOCK_STEPS`` steps, flush. Returns per
+    block this rank's measured step times and checkpoint times (the first step left out).
+    """
     for _ in range(BLOCK_STEPS - 1):  # steps 1..9: blocks then start at multiples of 10
         step()
-    for round_index, mode in block_order(modes, rounds):
+    blocks: list[dict[str, Any]] = []
+    reported: dict[str, int] = {}  # failed persists already listed, per mode
+    for round_index, mode in order:
         ckpt = ckpts.get(mode)
         if ckpt is None:
             job.detach_hooks()
@@ -158,15 +185,24 @@ def bench_worker(cfg: TrainConfig, modes: Sequence[str], rounds: int, ckpt_root:
         if ckpt is not None:
             ckpt.flush()
         flush_s = time.perf_counter() - start
+        failed = persist_failures(ckpt)
         blocks.append({"round": round_index, "mode": mode, "first_step": first,
                        "step_times_s": times[1:], "blocking_s": blocking[1:],
                        "bubble_s": in_bubbles[1:], "overrun_s": overrun[1:], "flush_s": flush_s,
-                       "durable_step": newest_durable_step(ckpt)})
-    for ckpt in ckpts.values():
-        ckpt.close()
-    job.close()
-    torch.distributed.destroy_process_group()
-    return {"rank": ranked.rank, "blocks": blocks, "losses": losses}
+                       "durable_step": newest_durable_step(ckpt),
+                       "persist_errors": failed[reported.get(mode, 0):]})
+        reported[mode] = len(failed)
+    return blocks
+
+
+def persist_failures(ckpt: Checkpointer | None) -> list[str]:
+    """Every failed durable write of ``ckpt`` so far, as "step k: why" (in submission order)."""
+    strategy = ckpt.strategy if ckpt is not None else None
+    if isinstance(strategy, BubbleStrategy):
+        results = strategy.persister.results()
+    else:
+        results = list(getattr(strategy, "results", []))
+    return [f"step {r.step}: {r.error}" for r in results if not r.persisted]
 
 
 def newest_durable_step(ckpt: Checkpointer | None) -> int | None:

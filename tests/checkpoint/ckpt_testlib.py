@@ -268,3 +268,41 @@ def read_only_dir(path: Path) -> Iterator[Path]:
             subprocess.run(["umount", str(path)], check=False)
         else:
             path.chmod(0o755)
+
+
+class Cursor:
+    """A minimal data cursor for a one-stage MLP job: the index of the next batch.
+
+    Batches are drawn on the CPU from a generator seeded by the index (so a restored cursor
+    gives the same batches) and moved to ``device``.
+    """
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.index = 0
+        self.device = device
+
+    def state_dict(self) -> dict[str, int]:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.index = state["index"]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.index)
+        self.index += 1
+        return (torch.randint(0, 256, (4, 16), generator=g).to(self.device),
+                torch.randint(0, 256, (4,), generator=g).to(self.device))
+
+
+def train_job(job: Any, cursor: Cursor, start: int, stop: int,
+              stats: list[dict[str, float]] | None = None) -> list[float]:
+    """Steps ``start + 1`` .. ``stop`` of a one-stage ``PipelineJob``; their losses (and, if
+    given, each step's ``job.last_stats`` appended to ``stats``)."""
+    losses = []
+    for _ in range(start, stop):
+        loss = job.step(*cursor.next_batch())
+        assert loss is not None
+        losses.append(loss)
+        if stats is not None:
+            stats.append(dict(job.last_stats))
+    return losses

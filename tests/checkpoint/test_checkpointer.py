@@ -11,24 +11,7 @@ from bubbleguard.checkpoint.checkpointer import CheckpointConfig, Checkpointer
 from bubbleguard.models import build_model, lm_loss
 from bubbleguard.pipeline.runtime import PipelineJob
 from bubbleguard.pipeline.stage import split
-
-
-class Cursor:
-    """A minimal data cursor: the index of the next batch."""
-
-    def __init__(self) -> None:
-        self.index = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"index": self.index}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.index = state["index"]
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.index)
-        self.index += 1
-        return torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 256, (4,), generator=g)
+from tests.checkpoint.ckpt_testlib import Cursor, train_job
 
 
 def _job() -> PipelineJob:
@@ -37,24 +20,15 @@ def _job() -> PipelineJob:
                        num_microbatches=2)
 
 
-def _train(job: PipelineJob, cursor: Cursor, start: int, stop: int) -> list[float]:
-    losses = []
-    for _ in range(start, stop):
-        loss = job.step(*cursor.next_batch())
-        assert loss is not None
-        losses.append(loss)
-    return losses
-
-
 def test_single_process_resume_continues_bit_identically(tmp_path: Path) -> None:
-    reference = _train(_job(), Cursor(), 0, 6)
+    reference = train_job(_job(), Cursor(), 0, 6)
     (tmp_path / "shm").mkdir()
     config = CheckpointConfig(mode="bubble", ckpt_dir=str(tmp_path / "ckpt"), persist_every=2,
                               shm_root=str(tmp_path / "shm"))
     job, cursor = _job(), Cursor()
     ckpt = Checkpointer(job, config, data_state=cursor.state_dict)
     assert ckpt.resume(cursor.load_state_dict).step == 0
-    first = _train(job, cursor, 0, 4)
+    first = train_job(job, cursor, 0, 4)
     ckpt.close()
 
     job, cursor = _job(), Cursor()
@@ -62,7 +36,7 @@ def test_single_process_resume_continues_bit_identically(tmp_path: Path) -> None
     info = ckpt.resume(cursor.load_state_dict)
     assert (info.step, info.tier) == (4, "durable")
     assert cursor.index == 4
-    second = _train(job, cursor, 4, 6)
+    second = train_job(job, cursor, 4, 6)
     ckpt.close()
     assert first + second == reference
 
@@ -86,18 +60,18 @@ def test_flush_finishes_the_snapshot_and_the_due_persist(tmp_path: Path, mode: s
                                                          durable_step: int) -> None:
     from bubbleguard.checkpoint.tiers.durable import DurableTier
 
-    reference = _train(_job(), Cursor(), 0, 5)
+    reference = train_job(_job(), Cursor(), 0, 5)
     (tmp_path / "shm").mkdir()
     config = CheckpointConfig(mode=mode, ckpt_dir=str(tmp_path / "ckpt"), persist_every=2,
                               shm_root=str(tmp_path / "shm"))
     job, cursor = _job(), Cursor()
     ckpt = Checkpointer(job, config, data_state=cursor.state_dict)
-    losses = _train(job, cursor, 0, 3)
+    losses = train_job(job, cursor, 0, 3)
     ckpt.flush()
     assert DurableTier(tmp_path / "ckpt").latest() == durable_step
     if mode == "bubble":
         # Three slots: the newest snapshot, the one before, and one more.
         assert ckpt.memory is not None and ckpt.memory.valid_steps() == [3, 2, 1]
-    losses += _train(job, cursor, 3, 5)  # training goes on after a flush, unchanged
+    losses += train_job(job, cursor, 3, 5)  # training goes on after a flush, unchanged
     ckpt.close()
     assert losses == reference

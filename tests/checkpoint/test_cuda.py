@@ -21,6 +21,7 @@ from bubbleguard.checkpoint.tiers.shm import MemoryTier
 from bubbleguard.models import build_model, lm_loss
 from bubbleguard.pipeline.runtime import PipelineJob
 from bubbleguard.pipeline.stage import split
+from tests.checkpoint.ckpt_testlib import Cursor, train_job
 
 # cuBLAS is deterministic only with a fixed workspace; it must be set before its first use.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -115,25 +116,6 @@ def test_a_non_contiguous_device_tensor_is_copied_after_its_flattening(shm_root:
     tier.cleanup()
 
 
-class Cursor:
-    """The index of the next batch; batches are made on the CPU and moved to the GPU."""
-
-    def __init__(self) -> None:
-        self.index = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"index": self.index}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.index = state["index"]
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.index)
-        self.index += 1
-        return (torch.randint(0, 256, (8, 16), generator=g).cuda(),
-                torch.randint(0, 256, (8,), generator=g).cuda())
-
-
 def _dropout_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # Draws from the CUDA generator every microbatch: a resume must restore it too.
     return lm_loss(F.dropout(logits, 0.2, training=True), targets)
@@ -145,18 +127,6 @@ def _job() -> PipelineJob:
                        num_microbatches=2)
 
 
-def _train(job: PipelineJob, cursor: Cursor, start: int, stop: int,
-           stats: list[dict[str, float]] | None = None) -> list[float]:
-    losses = []
-    for _ in range(start, stop):
-        loss = job.step(*cursor.next_batch())
-        assert loss is not None
-        losses.append(loss)
-        if stats is not None:
-            stats.append(dict(job.last_stats))
-    return losses
-
-
 def _seed(seed: int) -> None:
     torch.manual_seed(seed)
     torch.cuda.manual_seed_all(seed)
@@ -166,16 +136,16 @@ def _seed(seed: int) -> None:
 def test_a_gpu_stage_resumes_bit_identically_from_memory_then_durable(
         tmp_path: Path, shm_root: Path, deterministic: None) -> None:
     _seed(0)
-    reference = _train(_job(), Cursor(), 0, 10)
+    reference = train_job(_job(), Cursor("cuda"), 0, 10)
     config = CheckpointConfig(mode="bubble", ckpt_dir=str(tmp_path / "ckpt"), persist_every=2,
                               shm_root=str(shm_root))
 
     _seed(0)
-    job, cursor = _job(), Cursor()
+    job, cursor = _job(), Cursor("cuda")
     ckpt = Checkpointer(job, config, data_state=cursor.state_dict)
     assert ckpt.resume(cursor.load_state_dict).step == 0
     stats: list[dict[str, float]] = []
-    first = _train(job, cursor, 0, 5, stats)
+    first = train_job(job, cursor, 0, 5, stats)
     ckpt.flush()  # the snapshot of step 5 is complete in shared memory
     # The copies ran in the helper thread alongside compute, not all at the step boundary.
     assert sum(s["ckpt_bubble_s"] for s in stats) > 0
@@ -188,20 +158,20 @@ def test_a_gpu_stage_resumes_bit_identically_from_memory_then_durable(
     job.close()
 
     _seed(123)  # the resume must bring back every generator, the CUDA one included
-    job, cursor = _job(), Cursor()
+    job, cursor = _job(), Cursor("cuda")
     ckpt = Checkpointer(job, config, data_state=cursor.state_dict)
     info = ckpt.resume(cursor.load_state_dict)
     assert (info.step, info.tier, cursor.index) == (5, "memory", 5)
-    second = _train(job, cursor, 5, 8)
+    second = train_job(job, cursor, 5, 8)
     ckpt.close()  # persists step 8 and drops the shared memory
     job.close()
 
     _seed(321)
-    job, cursor = _job(), Cursor()
+    job, cursor = _job(), Cursor("cuda")
     ckpt = Checkpointer(job, config, data_state=cursor.state_dict)
     info = ckpt.resume(cursor.load_state_dict)
     assert (info.step, info.tier, cursor.index) == (8, "durable", 8)
-    third = _train(job, cursor, 8, 10)
+    third = train_job(job, cursor, 8, 10)
     ckpt.close()
     job.close()
     assert first + second + third == reference
@@ -213,22 +183,22 @@ def test_a_gpu_stage_resumes_bit_identically_from_memory_then_durable(
 def test_baselines_checkpoint_a_gpu_stage_and_resume_it(
         tmp_path: Path, shm_root: Path, deterministic: None, mode: str, tier: str) -> None:
     _seed(0)
-    reference = _train(_job(), Cursor(), 0, 6)
+    reference = train_job(_job(), Cursor("cuda"), 0, 6)
     config = CheckpointConfig(mode=mode, ckpt_dir=str(tmp_path / "ckpt"), persist_every=2,
                               shm_root=str(shm_root))
     _seed(0)
-    job, cursor = _job(), Cursor()
+    job, cursor = _job(), Cursor("cuda")
     ckpt = Checkpointer(job, config, data_state=cursor.state_dict)
-    first = _train(job, cursor, 0, 4)
+    first = train_job(job, cursor, 0, 4)
     ckpt.close()
     job.close()
 
     _seed(7)
-    job, cursor = _job(), Cursor()
+    job, cursor = _job(), Cursor("cuda")
     ckpt = Checkpointer(job, config, data_state=cursor.state_dict)
     info = ckpt.resume(cursor.load_state_dict)
     assert (info.step, info.tier) == (4, tier)
-    second = _train(job, cursor, 4, 6)
+    second = train_job(job, cursor, 4, 6)
     ckpt.close()
     job.close()
     assert first + second == reference

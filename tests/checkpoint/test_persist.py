@@ -104,3 +104,24 @@ def test_the_slot_stays_pinned_until_the_helper_has_written_it(tmp_path: Path) -
     assert memory.steps()[0] == 6  # the rank never waited for the persist
     memory.cleanup()
 
+
+def test_the_helper_sees_every_slot_of_its_rank(tmp_path: Path) -> None:
+    # The helper opens the tier before the rank has made any slot file: it must still look
+    # in all three (it once looked in two, and every persist of a third-slot step failed).
+    from bubbleguard.checkpoint.persist import BackgroundPersister
+    from bubbleguard.checkpoint.state import StageState
+    from tests.checkpoint.ckpt_testlib import trained_state
+
+    *_, state = trained_state(1)
+    memory = MemoryTier("p", 0, root=tmp_path, chunk_bytes=1024, num_slots=3)
+    persister = BackgroundPersister(memory, DurableTier(tmp_path / "d", keep_last=3))
+    persister.submit(0)  # not there: once it is answered, the helper has opened its tier
+    persister.wait(timeout_s=60)
+    for step in (1, 2, 3):
+        memory.write(StageState(step=step, tensors=state.tensors, metadata=dict(state.metadata)))
+        persister.submit(step)
+    results = persister.close(timeout_s=60)
+    assert [(r.step, r.persisted, r.error) for r in results[1:]] == [
+        (1, True, None), (2, True, None), (3, True, None)]
+    memory.cleanup()
+

@@ -91,6 +91,9 @@ class CheckpointConfig:
         job_id: memory-tier job name; default derived from ``ckpt_dir``.
         chunk_bytes: snapshot chunk size (the most a copy can overrun a bubble).
         shm_root: parent of the memory tier (default ``/dev/shm``).
+        memory_slots: snapshot slots per rank in the memory tier (>= 2; see ``MemoryTier``).
+            With 3 (the default) a persist, which pins its slot until written, never makes
+            a snapshot wait; 2 saves one state's worth of shared memory.
     """
 
     mode: str = "bubble"
@@ -101,6 +104,7 @@ class CheckpointConfig:
     job_id: str | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     shm_root: str | None = None
+    memory_slots: int = 3
 
     def __post_init__(self) -> None:
         if self.mode not in CHECKPOINT_MODES:
@@ -111,6 +115,9 @@ class CheckpointConfig:
         if self.persist_every < 0:
             raise ValueError(f"--persist-every must be >= 0 (0: only at the end), got "
                              f"{self.persist_every}")
+        if self.memory_slots < 2:
+            raise ValueError(f"memory_slots must be >= 2 (one to keep, one to write), got "
+                             f"{self.memory_slots}")
         if self.keep_last < 1:
             raise ValueError(f"--keep-last must be >= 1, got {self.keep_last}")
         if self.mode != "none" and not self.ckpt_dir:
@@ -209,7 +216,8 @@ class Checkpointer:
         # snapshots never wait for it (the newest complete one and the pinned one are kept).
         self.memory = MemoryTier(config.job_id or job_id_for(config.ckpt_dir), self.rank,
                                  num_ranks=self.num_ranks, root=config.shm_root,
-                                 chunk_bytes=config.chunk_bytes, num_slots=3)
+                                 chunk_bytes=config.chunk_bytes,
+                                 num_slots=config.memory_slots)
         self.strategy = self._make_strategy()
         job.attach_hooks(self)
 
@@ -354,6 +362,15 @@ class BubbleStrategy(SnapshotStrategy):
 
     The persist runs in a helper process that only gets CPU time the ranks leave idle (see
     ``persist.py``): it, too, mostly uses the bubbles, and never holds the training GIL.
+
+    On a GPU (the stage's parameters on CUDA) the copies are the copy engine's work, not the
+    CPU's: ``after_step(k)`` also records an event after the step; ``run_one`` (which the job
+    runs alongside compute there) queues every chunk on the memory tier's side stream at once,
+    then completes each chunk as it lands; ``before_step()`` queues whatever is left and orders
+    the optimizer step after the copies on the device (``MemoryTier.guard_copies``), with no
+    CPU wait, so snapshot k may complete during iteration k+2. A snapshot due while the
+    previous one is still completing waits in ``queued``; ``before_step`` finishes the older
+    one first (by then its copies have landed).
     """
 
     name = "bubble"

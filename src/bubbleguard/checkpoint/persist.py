@@ -112,6 +112,7 @@ class BackgroundPersister:
             "store_host": host, "store_port": port, "timeout_s": HELPER_TIMEOUT_S,
             "job_id": memory.job_dir.name, "shm_root": str(memory.job_dir.parent.parent),
             "memory_rank": memory.rank, "memory_num_ranks": memory.num_ranks,
+            "memory_num_slots": memory.num_slots,
             "durable_url": durable.url, "keep_last": durable.keep_last,
         }
         env = dict(os.environ)

@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
                                     world_size=int(cfg["num_ranks"]), timeout=timeout)
         memory = MemoryTier(cfg["job_id"], int(cfg["memory_rank"]),
                             num_ranks=int(cfg["memory_num_ranks"]), root=cfg["shm_root"],
-                            create=False)
+                            num_slots=int(cfg["memory_num_slots"]), create=False)
         durable = DurableTier(cfg["durable_url"], keep_last=int(cfg["keep_last"]))
         # Python's full collections scan every object alive; after importing torch that is
         # hundreds of thousands, and DCP's planning makes enough garbage to trigger one every

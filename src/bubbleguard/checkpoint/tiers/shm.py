@@ -329,7 +329,8 @@ class MemoryTier(Tier):
                 f"no memory-tier snapshots for rank {rank}: {self.rank_dir} does not exist"
             )
         # The files are the truth: a writer may have used more slots than asked for here (a
-        # GPU job keeps three; a persist helper or a resume on the CPU reads them all).
+        # resume or `bubbleguard inspect` reads them all). A reader opened before the writer
+        # made its files (the persist helper) is told the number instead.
         found = [int(m.group(1)) for p in self.rank_dir.glob("slot*.bin")
                  if (m := _SLOT_FILE.match(p.name))] if self.rank_dir.is_dir() else []
         num_slots = self.num_slots = max(num_slots, max(found, default=-1) + 1)
