@@ -42,6 +42,7 @@ import torch
 
 from bubbleguard.checkpoint.checkpointer import job_id_for
 from bubbleguard.checkpoint.copier import SnapshotCopier
+from bubbleguard.checkpoint.layout import DEFAULT_CHUNK_BYTES, DEVICE_CHUNK_BYTES
 from bubbleguard.checkpoint.state import StageState, capture_state
 from bubbleguard.checkpoint.tiers.shm import MemoryTier, remove_job
 from bubbleguard.models import build_model, lm_loss
@@ -109,19 +110,37 @@ def shm_root(state_bytes: int) -> str | None:
 def run_interleaved(size: dict[str, Any], modes: Sequence[str], ckpt_root: str,
                     shm: str | None) -> list[dict[str, Any]]:
     """Every mode's blocks in turn in this process (see the module docstring); per-rank
-    figures under rank "0", as ``overhead.summarize`` reads them."""
+    figures under rank "0", as ``overhead.summarize`` reads them. Each block also gets
+    ``blocking_by_phase``: its measured steps' blocking time summed per timeline name
+    (``CKPT begin``/``CKPT finish``: the hooks; ``CKPT pause``: waiting for the helper's unit)."""
     job = build_job(size)
     batches = Batches(size)
-    ckpts = mode_checkpointers(job, modes, ckpt_root, batches.state_dict, shm)
+    ckpts = mode_checkpointers(job, modes, ckpt_root, batches.state_dict, shm,
+                               chunk_bytes=size.get("chunk_bytes"))
+    phases: dict[int, dict[str, float]] = {}  # step -> name -> seconds
 
     def step() -> tuple[float, dict[str, float]]:
         inputs, targets = batches.next()
+        events = job.timeline.events
+        first_event = len(events)
         start = time.perf_counter()
         job.step(inputs, targets)  # returns the loss as a float: the step ends on the device
-        return time.perf_counter() - start, dict(job.last_stats)
+        elapsed = time.perf_counter() - start
+        mine = phases.setdefault(job.step_count, {})
+        for e in events[first_event:]:
+            if e.kind == "checkpoint" and e.name != "ckpt chunk":
+                mine[e.name] = mine.get(e.name, 0.0) + e.duration_s
+        del events[:]  # the benchmark reads each step's events once: keep memory flat
+        return elapsed, dict(job.last_stats)
 
     try:
         blocks = run_blocks(job, ckpts, step, block_order(modes, size["rounds"]))
+        for b in blocks:
+            by_phase: dict[str, float] = {}
+            for k in range(b["first_step"] + 1, b["first_step"] + BLOCK_STEPS):
+                for name, seconds in phases.get(k, {}).items():
+                    by_phase[name] = by_phase.get(name, 0.0) + seconds
+            b["blocking_by_phase"] = by_phase
     finally:
         for ckpt in ckpts.values():
             ckpt.close()
@@ -142,7 +161,12 @@ def stage_state(size: dict[str, Any]) -> StageState:
     return capture_state(job.stage, job.optimizer, step=1)
 
 
-def measure_bandwidth(state: StageState, repeats: int, shm: str | None) -> dict[str, Any]:
+def default_chunk_bytes(device: str) -> int:
+    return DEVICE_CHUNK_BYTES if device == "cuda" else DEFAULT_CHUNK_BYTES
+
+
+def measure_bandwidth(state: StageState, repeats: int, shm: str | None,
+                      chunk_bytes: int) -> dict[str, Any]:
     """Device-to-host copies of ``state`` four ways (see the module docstring)."""
     on_gpu = any(t.is_cuda for t in state.tensors.values())
     tensors = {k: v for k, v in state.all_tensors().items() if v.is_cuda or not on_gpu}
@@ -151,7 +175,7 @@ def measure_bandwidth(state: StageState, repeats: int, shm: str | None) -> dict[
     pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=on_gpu)
               for k, v in tensors.items()}
     pageable = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in tensors.items()}
-    tier = MemoryTier("gpu-bench-bandwidth", 0, root=shm)
+    tier = MemoryTier("gpu-bench-bandwidth", 0, root=shm, chunk_bytes=chunk_bytes)
 
     def sync() -> None:
         if on_gpu:
@@ -221,6 +245,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, help="measured rounds (default 3; tiny 1)")
     parser.add_argument("--layers", type=int, help="transformer blocks (default 8)")
     parser.add_argument("--repeats", type=int, default=7, help="bandwidth runs per method")
+    parser.add_argument("--chunk-mb", type=float,
+                        help="snapshot chunk size in MiB (default: CheckpointConfig's, 64 on a "
+                             "GPU)")
     parser.add_argument("--out", default="benchmarks/results", help="directory for the results")
     parser.add_argument("--name", default="gpu", help="results file name (without .json)")
     parser.add_argument("--modes", default=",".join(MODES),
@@ -240,10 +267,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.layers:
         size["layers"] = args.layers
     size["device"] = args.device
+    if args.chunk_mb:
+        size["chunk_bytes"] = max(64, int(args.chunk_mb * 2**20) // 64 * 64)
     started = time.perf_counter()
     state = stage_state(size)
     shm = shm_root(state.num_bytes)
-    bandwidth = measure_bandwidth(state, 3 if args.tiny else args.repeats, shm)
+    bandwidth = measure_bandwidth(state, 3 if args.tiny else args.repeats, shm,
+                                  size.get("chunk_bytes") or default_chunk_bytes(args.device))
     del state
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -259,6 +289,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "batch_size": size["batch_size"], "stages": 1, "dtype": "float32",
                    "block_steps": BLOCK_STEPS, "measured_steps_per_block": BLOCK_STEPS - 1,
                    "rounds": size["rounds"], "ckpt_every": 1, "persist_every": BLOCK_STEPS,
+                   "chunk_bytes": size.get("chunk_bytes") or default_chunk_bytes(args.device),
                    "shm_root": shm or "/dev/shm",
                    "ckpt_root": args.ckpt_root or tempfile.gettempdir()},
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -274,6 +305,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(doc, indent=2))
     print("\n".join(mode_table(summary)))
+    for mode in modes:
+        mine = [b for b in blocks if b["mode"] == mode]
+        steps = sum(len(b["step_times_s"]) for b in mine)
+        names = sorted({n for b in mine for n in b["blocking_by_phase"]})
+        if names:
+            per_step = {n: sum(b["blocking_by_phase"].get(n, 0.0) for b in mine) / steps
+                        for n in names}
+            print(f"{mode} blocking per step: " + ", ".join(
+                f"{n} {1e3 * v:.2f} ms" for n, v in per_step.items()))
     gb = 1e9
     print(f"D2H copy of a {bandwidth['state_bytes'] / 1e9:.2f} GB state on "
           f"{doc['device']}: snapshot (copies + checksums) "

@@ -142,11 +142,13 @@ def bench_worker(cfg: TrainConfig, modes: Sequence[str], rounds: int, ckpt_root:
 
 
 def mode_checkpointers(job: Any, modes: Sequence[str], ckpt_root: str, data_state: Any,
-                       shm_root: str | None = None) -> dict[str, Checkpointer]:
+                       shm_root: str | None = None,
+                       chunk_bytes: int | None = None) -> dict[str, Checkpointer]:
     """One checkpointer per mode but ``none`` (each with its own directory), all detached."""
     ckpts = {mode: Checkpointer(job, CheckpointConfig(mode=mode, ckpt_dir=f"{ckpt_root}/ckpt-{mode}",
                                                       every=1, persist_every=BLOCK_STEPS,
-                                                      keep_last=2, shm_root=shm_root),
+                                                      keep_last=2, shm_root=shm_root,
+                                                      chunk_bytes=chunk_bytes),
                                 data_state=data_state)
              for mode in modes if mode != "none"}
     job.detach_hooks()

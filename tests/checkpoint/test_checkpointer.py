@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bubbleguard.checkpoint.checkpointer import CheckpointConfig, Checkpointer
+from bubbleguard.checkpoint.layout import DEFAULT_CHUNK_BYTES
 from bubbleguard.models import build_model, lm_loss
 from bubbleguard.pipeline.runtime import PipelineJob
 from bubbleguard.pipeline.stage import split
@@ -48,6 +49,8 @@ def test_bad_configurations_name_the_problem() -> None:
         CheckpointConfig(mode="bubble")
     with pytest.raises(ValueError, match="--ckpt-every must be >= 1"):
         CheckpointConfig(ckpt_dir="x", every=0)
+    with pytest.raises(ValueError, match="chunk_bytes must be a positive multiple of 64, got 100"):
+        CheckpointConfig(ckpt_dir="x", chunk_bytes=100)
 
 
 @pytest.mark.timeout(120)
@@ -70,6 +73,7 @@ def test_flush_finishes_the_snapshot_and_the_due_persist(tmp_path: Path, mode: s
     ckpt.flush()
     assert DurableTier(tmp_path / "ckpt").latest() == durable_step
     if mode == "bubble":
+        assert ckpt.memory is not None and ckpt.memory.chunk_bytes == DEFAULT_CHUNK_BYTES  # CPU
         # Three slots: the newest snapshot, the one before, and one more.
         assert ckpt.memory is not None and ckpt.memory.valid_steps() == [3, 2, 1]
     losses += train_job(job, cursor, 3, 5)  # training goes on after a flush, unchanged

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from bubbleguard.checkpoint.checkpointer import BubbleStrategy, CheckpointConfig, Checkpointer
+from bubbleguard.checkpoint.layout import DEVICE_CHUNK_BYTES
 from bubbleguard.checkpoint.state import StageState
 from bubbleguard.checkpoint.tiers.shm import MemoryTier
 from bubbleguard.models import build_model, lm_loss
@@ -82,7 +83,7 @@ def test_device_copies_are_queued_after_the_step_and_land_checksummed(shm_root: 
         # can have landed (a copy into memory that is not registered would have blocked).
         assert not ready.query()
         assert tier.copies_in_flight == layout.num_chunks
-        assert not tier.checksum_next(wait=False)
+        assert not tier.checksum_landed(wait=False)
         record = tier.finish()
         # The copies waited for the step, not for the work queued after it: that is still on.
         assert not torch.cuda.current_stream().query()
@@ -94,6 +95,39 @@ def test_device_copies_are_queued_after_the_step_and_land_checksummed(shm_root: 
     assert torch.equal(snap.tensors["ids"], torch.arange(7))
     assert torch.equal(snap.local_tensors["rng.torch"], cpu_rng)
     tier.cleanup()
+
+
+def test_a_snapshot_mixes_device_sums_with_host_checksums_of_misaligned_pieces(
+        shm_root: Path) -> None:
+    dev = torch.device("cuda")
+    base = torch.arange(2003, device=dev).to(torch.uint8)
+    tensors = {
+        "w": torch.randn(3_000_000, device=dev),  # chunks 0-2, summed on the device
+        "odd": base[1:],  # starts one byte into its storage: no device sum, checksummed on host
+        "v": torch.randn(5000, device=dev),
+    }
+    tier = MemoryTier("cuda-mixed", root=shm_root)
+    layout = tier.begin(StageState(step=1, tensors=tensors,
+                                   local_tensors={"rng.torch": torch.get_rng_state()}))
+    for chunk_id in range(layout.num_chunks):
+        tier.copy_chunk(chunk_id)
+    assert tier.copies_in_flight == layout.num_chunks
+    tier.finish()
+    snap = tier.read(1)  # every chunk's checksum recomputed from the bytes that landed
+    for name, t in tensors.items():
+        assert torch.equal(snap.tensors[name], t.cpu()), name
+    tier.cleanup()
+
+
+def test_a_gpu_stage_gets_large_chunks_unless_asked(tmp_path: Path, shm_root: Path) -> None:
+    for chunk_bytes, expected in ((None, DEVICE_CHUNK_BYTES), (1 << 20, 1 << 20)):
+        job = _job()
+        ckpt = Checkpointer(job, CheckpointConfig(ckpt_dir=str(tmp_path / f"c{expected}"),
+                                                  shm_root=str(shm_root),
+                                                  chunk_bytes=chunk_bytes))
+        assert ckpt.memory is not None and ckpt.memory.chunk_bytes == expected
+        ckpt.close()
+        job.close()
 
 
 def test_a_non_contiguous_device_tensor_is_copied_after_its_flattening(shm_root: Path) -> None:

@@ -191,10 +191,13 @@ def test_word_sum_is_the_checksum_of_the_bytes_padded_to_a_word(device: str,
 
 
 @settings(max_examples=60, deadline=None)
-@given(tensors=tensor_sets(), chunk_units=st.integers(1, 8))
-def test_device_chunk_copy_sums_equal_copy_then_checksum(tensors, chunk_units) -> None:
-    # CPU tensors take the host branch here (tests/checkpoint/test_cuda.py covers the device one,
-    # and word_sum above is its arithmetic on any device).
+@given(tensors=tensor_sets(), chunk_units=st.integers(1, 8),
+       sums_device=st.sampled_from(["cpu", "meta"]))
+def test_device_chunk_copy_sums_equal_copy_then_checksum(tensors, chunk_units,
+                                                         sums_device) -> None:
+    # The pieces whose tensors are on the sums' device are summed there (with sums on the CPU,
+    # every piece: the device branch's arithmetic); the others on the host (sums on "meta",
+    # which no piece is on: the host branch). tests/checkpoint/test_cuda.py runs both on a GPU.
     layout = ChunkLayout.build(tensors, chunk_bytes=64 * chunk_units)
     plain = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     queued = torch.zeros(layout.total_bytes, dtype=torch.uint8)  # padding zero, as required
@@ -202,12 +205,25 @@ def test_device_chunk_copy_sums_equal_copy_then_checksum(tensors, chunk_units) -
     for cid in range(layout.num_chunks):
         n = copy_chunk(layout, cid, sources, plain)
         start, end = layout.chunk_range(cid)
-        result = copy_chunk_device(layout, cid, sources, queued)
+        sums = torch.zeros(len(layout.segments(cid)), dtype=torch.int64, device=sums_device)
+        result = copy_chunk_device(layout, cid, sources, queued, sums)
         assert result is not None
-        copied, host, device = result
-        assert device is None  # no device tensors
-        assert (copied, host) == (n, checksum(plain[start:end], "sum64"))
+        copied, host = result
+        device_part = int(sums.sum()) if sums_device == "cpu" else 0
+        if sums_device == "cpu":
+            assert host == 0  # nothing summed on the host
+        assert copied == n
+        assert (host + device_part) & MASK64 == checksum(plain[start:end], "sum64")
     assert torch.equal(plain, queued)
+
+
+def test_device_chunk_copy_wants_one_sum_per_piece() -> None:
+    tensors = {"a": torch.arange(40, dtype=torch.float32), "b": torch.ones(3)}
+    layout = ChunkLayout.build(tensors, chunk_bytes=1024)
+    region = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    sources = {k: flat_bytes(v) for k, v in tensors.items()}
+    with pytest.raises(ValueError, match="chunk 0 has 2 pieces, sums has 1"):
+        copy_chunk_device(layout, 0, sources, region, torch.zeros(1, dtype=torch.int64))
 
 
 @needs_native

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from bubbleguard.checkpoint.copier import SnapshotCopier
 from bubbleguard.checkpoint.errors import IncompleteCheckpointError
-from bubbleguard.checkpoint.layout import DEFAULT_CHUNK_BYTES
+from bubbleguard.checkpoint.layout import DEFAULT_CHUNK_BYTES, DEVICE_CHUNK_BYTES
 from bubbleguard.checkpoint.manifest import agree_newest_step
 from bubbleguard.checkpoint.persist import BackgroundPersister
 from bubbleguard.checkpoint.state import (
@@ -89,7 +89,9 @@ class CheckpointConfig:
         persist_every: write a durable checkpoint every this many steps (0: only at close).
         keep_last: durable checkpoints to keep.
         job_id: memory-tier job name; default derived from ``ckpt_dir``.
-        chunk_bytes: snapshot chunk size (the most a copy can overrun a bubble).
+        chunk_bytes: snapshot chunk size (the most a copy can overrun a bubble); None: 4 MiB
+            on the CPU, 64 MiB for a stage on a GPU, where copies run on the copy engine and
+            overrun nothing, and fewer pieces mean fewer launches (``DEVICE_CHUNK_BYTES``).
         shm_root: parent of the memory tier (default ``/dev/shm``).
         memory_slots: snapshot slots per rank in the memory tier (>= 2; see ``MemoryTier``).
             With 3 (the default) a persist, which pins its slot until written, never makes
@@ -102,7 +104,7 @@ class CheckpointConfig:
     persist_every: int = 10
     keep_last: int = 3
     job_id: str | None = None
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    chunk_bytes: int | None = None
     shm_root: str | None = None
     memory_slots: int = 3
 
@@ -115,6 +117,9 @@ class CheckpointConfig:
         if self.persist_every < 0:
             raise ValueError(f"--persist-every must be >= 0 (0: only at the end), got "
                              f"{self.persist_every}")
+        if self.chunk_bytes is not None and (self.chunk_bytes <= 0 or self.chunk_bytes % 64):
+            raise ValueError(f"chunk_bytes must be a positive multiple of 64, got "
+                             f"{self.chunk_bytes}")
         if self.memory_slots < 2:
             raise ValueError(f"memory_slots must be >= 2 (one to keep, one to write), got "
                              f"{self.memory_slots}")
@@ -216,7 +221,9 @@ class Checkpointer:
         # snapshots never wait for it (the newest complete one and the pinned one are kept).
         self.memory = MemoryTier(config.job_id or job_id_for(config.ckpt_dir), self.rank,
                                  num_ranks=self.num_ranks, root=config.shm_root,
-                                 chunk_bytes=config.chunk_bytes,
+                                 chunk_bytes=config.chunk_bytes or (
+                                     DEVICE_CHUNK_BYTES if _stage_device(job.stage).type == "cuda"
+                                     else DEFAULT_CHUNK_BYTES),
                                  num_slots=config.memory_slots)
         self.strategy = self._make_strategy()
         job.attach_hooks(self)
@@ -365,10 +372,11 @@ class BubbleStrategy(SnapshotStrategy):
 
     On a GPU (the stage's parameters on CUDA) the copies are the copy engine's work, not the
     CPU's: ``after_step(k)`` also records an event after the step; ``run_one`` (which the job
-    runs alongside compute there) queues every chunk on the memory tier's side stream at once,
-    then completes each chunk as it lands; ``before_step()`` queues whatever is left and orders
-    the optimizer step after the copies on the device (``MemoryTier.guard_copies``), with no
-    CPU wait, so snapshot k may complete during iteration k+2. A snapshot due while the
+    runs alongside compute there) queues the chunks on the memory tier's side stream a
+    millisecond's worth at a time, then completes their checksums once they have landed;
+    ``before_step()`` queues whatever is left and orders the optimizer step after the copies
+    on the device (``MemoryTier.guard_copies``), with no CPU wait, so snapshot k may complete
+    during iteration k+2. A snapshot due while the
     previous one is still completing waits in ``queued``; ``before_step`` finishes the older
     one first (by then its copies have landed).
     """

@@ -20,9 +20,9 @@ returns the report at once. One chunk is the most a copy can overrun the end of 
 ``chunk_bytes`` bounds the delay a copy can add (4 MiB at ~10 GB/s is ~0.4 ms).
 
 A snapshot of CUDA tensors (``MemoryTier.copies_async``) goes differently, because its copies are
-not CPU work: one ``run_one`` queues every chunk on the tier's side stream (the copy engine runs
-them alongside compute), then each ``run_one`` checksums one chunk once its copy has landed, then
-the record. The runtime runs these units alongside compute on a GPU (see
+not CPU work: each ``run_one`` queues chunks on the tier's side stream for up to
+:data:`QUEUE_SLICE_S` (the copy engine runs them alongside compute), then one ``run_one``
+completes every chunk's checksum once the copies have landed, then one writes the record. The runtime runs these units alongside compute on a GPU (see
 ``PipelineJob``), not only inside waits.
 """
 
@@ -36,6 +36,10 @@ from typing import Any
 from bubbleguard.checkpoint.layout import ChunkLayout
 from bubbleguard.checkpoint.state import StageState
 from bubbleguard.checkpoint.tiers.shm import MemoryTier, SnapshotRecord
+
+QUEUE_SLICE_S = 0.001
+"""Device snapshots: how long one ``run_one`` keeps queuing chunks (launches cost the CPU a few
+microseconds each; the copies themselves run on the copy engine)."""
 
 
 @dataclass(frozen=True)
@@ -125,11 +129,14 @@ class SnapshotCopier:
             self._bubble_s += time.perf_counter() - t0
             return True
         if self._pending and self.tier.copies_async:
-            # Queued on the device's side stream, not copied here: all at once, so the copy
-            # engine has the whole snapshot to work on while compute goes on.
-            self._in_bubbles += len(self._pending)
+            # Queued on the device's side stream, not copied here: as many chunks as fit in
+            # QUEUE_SLICE_S, so the copy engine soon has the snapshot to work on while compute
+            # goes on, and a pause never waits for the launches of a whole snapshot.
             while self._pending:
                 self.tier.copy_chunk(self._pending.pop())
+                self._in_bubbles += 1
+                if time.perf_counter() - t0 >= QUEUE_SLICE_S:
+                    break
             self._bubble_s += time.perf_counter() - t0
             return True
         if self._pending:
@@ -140,9 +147,9 @@ class SnapshotCopier:
             self._copied_bytes += n
             self._copy_s += dt
             return True
-        if self.tier.copies_in_flight:  # device copies: one landed chunk's checksum
-            if not self.tier.checksum_next(wait=False):
-                return False  # none has landed yet; has_work() stays True
+        if self.tier.copies_in_flight:  # device copies: every chunk's checksum, once landed
+            if not self.tier.checksum_landed(wait=False):
+                return False  # not landed yet; has_work() stays True
             self._bubble_s += time.perf_counter() - t0
             return True
         if self.tier.active_step is not None and self._report is None:

@@ -43,6 +43,9 @@ NATIVE_COPY_AVAILABLE = _copy_sum64 is not None
 
 ALIGN_BYTES = 64
 DEFAULT_CHUNK_BYTES = 4 << 20
+DEVICE_CHUNK_BYTES = 64 << 20
+"""Chunk size for CUDA state (``CheckpointConfig``'s default there): its copies run on the copy
+engine, so a chunk bounds no overrun, and each piece (chunk x tensor) costs launches."""
 COPY_BLOCK_BYTES = 512 << 10
 """Block of a fused copy + checksum: small enough to stay in a core's L2 cache (>= 1 MiB on
 current x86 server cores) between the copy and the checksum, large enough that the per-block
@@ -362,47 +365,56 @@ def copy_chunk_device(
     chunk_id: int,
     sources: Mapping[str, torch.Tensor],
     region: torch.Tensor,
-) -> tuple[int, int, torch.Tensor | None] | None:
-    """Queue chunk ``chunk_id``'s copies from device tensors, and its ``sum64``, on the current
+    sums: torch.Tensor,
+) -> tuple[int, int] | None:
+    """Queue chunk ``chunk_id``'s copies from device tensors, and their ``sum64``, on the current
     CUDA stream (a snapshot's side stream).
 
     The checksum is computed by the device from the source bytes, so the host never reads the
-    snapshot: each piece's 8-byte words (the last zero-padded) are summed there, pieces from CPU
-    tensors (RNG states) on the host as they are copied. It equals ``checksum(region[chunk],
-    "sum64")`` once the copies have landed, when the region's padding bytes are zero.
+    snapshot: the 8-byte words of each piece from ``sums``' device (the last word zero-padded)
+    are summed there into that piece's entry of ``sums``; pieces from other tensors (RNG
+    states on the CPU) are copied and summed on the host, and their entries are left alone.
+    Two launches per piece (the copy and its sum), nothing per chunk: a caller that queues a
+    whole snapshot reads every piece's sum back with one copy. The chunk's checksum, which equals
+    ``checksum(region[chunk], "sum64")`` once the copies have landed and when the region's
+    padding bytes are zero, is the host part plus the device entries, modulo 2**64.
 
     Args:
         layout: the layout.
         chunk_id: which chunk.
-        sources: name -> :func:`flat_bytes` of each tensor (CUDA or CPU).
+        sources: name -> :func:`flat_bytes` of each tensor (on ``sums``' device or the CPU).
         region: the flat ``uint8`` host region (pinned, for the copies to be asynchronous).
+        sums: ``int64``, one entry per piece of the chunk (``len(layout.segments(chunk_id))``),
+            on the device; entries of host pieces are not written (keep them zero).
 
     Returns:
-        (bytes copied, the host pieces' sum, the device pieces' sum as a 0-dim ``int64`` device
-        tensor or None without device pieces); the chunk's checksum is their sum modulo 2**64.
-        None if a device piece does not start on an 8-byte boundary: then nothing was queued,
-        and the caller copies with :func:`copy_chunk` and checksums the landed bytes.
+        (bytes copied, the host pieces' sum); None if a device piece does not start on an
+        8-byte boundary: then nothing was queued, and the caller copies with :func:`copy_chunk`
+        and checksums the landed bytes.
     """
     segments = layout.segments(chunk_id)
+    if sums.numel() != len(segments):
+        raise ValueError(f"chunk {chunk_id} has {len(segments)} pieces, sums has {sums.numel()}")
+    device = sums.device
     for seg in segments:
         src = sources[seg.name]
-        if src.is_cuda and (src.data_ptr() + seg.tensor_offset) % 8:
+        if src.device == device and (src.data_ptr() + seg.tensor_offset) % 8:
             return None
     n = 0
     host = 0
-    device_parts: list[torch.Tensor] = []
-    for seg in segments:
+    for j, seg in enumerate(segments):
         src = sources[seg.name][seg.tensor_offset : seg.tensor_offset + seg.num_bytes]
         dst = region[seg.region_offset : seg.region_offset + seg.num_bytes]
         dst.copy_(src, non_blocking=True)
         n += seg.num_bytes
-        if src.is_cuda:
-            device_parts.append(word_sum(src))
-        else:  # copied already (host to host); the padding after it is zero
+        if src.device != device:  # copied already (host to host); the padding after it is zero
             end = seg.region_offset + _align8(seg.num_bytes)
             host += int(np.add.reduce(region[seg.region_offset : end].numpy().view(np.uint64)))
-    device = torch.stack(device_parts).sum() if device_parts else None
-    return n, host & MASK64, device
+        elif seg.num_bytes % 8 == 0:
+            torch.sum(src.view(torch.int64), dim=0, keepdim=True, out=sums[j : j + 1])
+        else:  # a tensor's last piece, its last word short (e.g. an odd number of bf16)
+            sums[j].copy_(word_sum(src))
+    return n, host & MASK64
 
 
 def tensors_from_region(layout: ChunkLayout, region: torch.Tensor) -> dict[str, torch.Tensor]:

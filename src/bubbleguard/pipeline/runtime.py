@@ -311,7 +311,9 @@ class PipelineJob:
         assert self._worker is not None
         start = time.perf_counter()
         spans = self._worker.pause()
-        self.last_stats["ckpt_blocking_s"] += time.perf_counter() - start
+        end = time.perf_counter()
+        self.timeline.add(EventKind.CHECKPOINT, "CKPT pause", start, end, index)
+        self.last_stats["ckpt_blocking_s"] += end - start
         for t0, t1 in spans:
             self.timeline.add(EventKind.CHECKPOINT, "ckpt chunk", t0, t1, index)
             self.last_stats["ckpt_bubble_s"] += t1 - t0

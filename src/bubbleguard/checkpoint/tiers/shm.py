@@ -37,15 +37,16 @@ its checksums.
 
 On a GPU, chunks whose tensors are on CUDA are copied on a side stream straight into the shared
 memory, registered as pinned host memory (``cudaHostRegister``): ``copy_chunk`` only queues the
-copy (the copy engine runs it alongside compute) and the chunk's ``sum64`` (the device sums the
-words it copies, so the host never reads the snapshot; ``layout.copy_chunk_device``), and
-``checksum_next`` completes the oldest queued chunk once it has landed; ``finish`` waits for
-whatever is left. The copies are
-ordered after the work that produced the state: ``begin(state, after=event)`` with a CUDA event
-recorded right after ``optimizer.step()``, or, without one, after everything queued on the
-current stream so far. On the CPU each chunk is copied and
-checksummed in one pass: by the C extension with streaming stores where it was built
-(``layout.copy_chunk_native``), else block by block through NumPy
+copy (the copy engine runs it alongside compute) and the ``sum64`` of each piece it copies (the
+device sums the words, so the host never reads the snapshot; ``layout.copy_chunk_device``); the
+last chunk's also queues one readback of every piece's sum, and ``checksum_landed`` completes
+all the chunks' checksums once it has landed (one event per snapshot, not one per chunk);
+``finish`` waits for it. The copies are ordered after the work that produced the state:
+``begin(state, after=event)`` with a CUDA event recorded right after ``optimizer.step()``, or,
+without one, after everything queued on the current stream so far.
+
+On the CPU each chunk is copied and checksummed in one pass: by the C extension with streaming
+stores where it was built (``layout.copy_chunk_native``), else block by block through NumPy
 (``layout.copy_chunk_checksummed``).
 """
 
@@ -238,6 +239,34 @@ class _Slot:
             pass  # a view of the region is still alive somewhere; the mapping goes with it
 
 
+class _PieceSums:
+    """Where the device writes the ``sum64`` of every piece (chunk x tensor) of a layout.
+
+    One ``int64`` entry per piece on the device, in chunk order, and its pinned host copy, read
+    back with one copy once a snapshot's chunks are all queued; ``starts[c]`` is chunk ``c``'s
+    first entry. Reused by every snapshot of the same layout and device.
+    """
+
+    def __init__(self, layout: ChunkLayout, device: torch.device) -> None:
+        counts = [len(layout.segments(c)) for c in range(layout.num_chunks)]
+        self.layout = layout
+        self.starts = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+        total = int(self.starts[-1])
+        self.device = torch.zeros(total, dtype=torch.int64, device=device)
+        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=True)
+
+    def of_chunk(self, chunk_id: int) -> torch.Tensor:
+        return self.device[int(self.starts[chunk_id]) : int(self.starts[chunk_id + 1])]
+
+    def chunk_sums(self) -> np.ndarray:
+        """Each chunk's device part (modulo 2**64) from the host copy, once it has landed."""
+        words = self.host.numpy().view(np.uint64)
+        out = np.zeros(len(self.starts) - 1, dtype=np.uint64)
+        nonempty = self.starts[:-1] < self.starts[1:]
+        out[nonempty] = np.add.reduceat(words, self.starts[:-1][nonempty])
+        return out
+
+
 @dataclass
 class _Active:
     """The snapshot being written (internal)."""
@@ -256,11 +285,13 @@ class _Active:
     region_np: np.ndarray | None = None
     sources_address: dict[str, int] | None = None  # native copies
     region_address: int = 0
-    events: list[tuple[int, Any]] = field(default_factory=list)
-    # Device copies: each chunk's checksum as (host part, slot of its device part in
-    # device_sums), summed by the device; None: checksummed on the host once landed.
+    # Device copies: each chunk's host part of its checksum (its device part is in
+    # piece_sums); None: checksummed on the host once landed (crc32, misaligned).
     partial_sums: list[int | None] = field(default_factory=list)
-    device_sums: torch.Tensor | None = None  # pinned int64, one per chunk
+    piece_sums: _PieceSums | None = None
+    num_queued: int = 0
+    landed: Any = None  # a CUDA event after every copy and the sums' readback
+    checksummed: bool = False  # device copies: checksum_landed is done
 
 
 class MemoryTier(Tier):
@@ -344,7 +375,7 @@ class MemoryTier(Tier):
         self._layout: ChunkLayout | None = None
         self._active: _Active | None = None
         self._stream: Any = None
-        self._device_sums: torch.Tensor | None = None
+        self._piece_sums: _PieceSums | None = None
 
     # ----------------------------------------------------------------- writing
 
@@ -391,15 +422,17 @@ class MemoryTier(Tier):
             else:
                 self._stream.wait_stream(torch.cuda.current_stream(device))
         native = self.native_copy and not use_cuda
-        device_sums = None
+        piece_sums = None
         if native or (use_cuda and self.checksum == "sum64"):
             # The native copy and device checksums sum the tensors' bytes only.
             mapped.zero_padding(layout)
-        if use_cuda and self.checksum == "sum64":
-            if self._device_sums is None or self._device_sums.numel() != layout.num_chunks:
-                self._device_sums = torch.zeros(layout.num_chunks, dtype=torch.int64,
-                                                pin_memory=True)
-            device_sums = self._device_sums
+        if device is not None and self.checksum == "sum64":
+            piece_sums = self._piece_sums
+            if piece_sums is None or piece_sums.layout is not layout or \
+                    piece_sums.device.device != device:
+                piece_sums = self._piece_sums = _PieceSums(layout, device)
+            with torch.cuda.stream(self._stream):
+                piece_sums.device.zero_()  # host pieces' entries stay zero
         self._active = _Active(
             step=state.step,
             slot=slot,
@@ -418,7 +451,7 @@ class MemoryTier(Tier):
             sources_address={k: v.data_ptr() for k, v in sources.items()} if native else None,
             region_address=mapped.region.data_ptr(),
             partial_sums=[None] * layout.num_chunks,
-            device_sums=device_sums,
+            piece_sums=piece_sums,
         )
         return layout
 
@@ -426,8 +459,10 @@ class MemoryTier(Tier):
         """Copy one chunk of the active snapshot into shared memory (from inside a bubble).
 
         On the CPU the chunk's checksum is computed in the same pass (block by block, while the
-        bytes are in the cache). On a GPU the copy is only queued on the side stream; its
-        checksum is computed by :meth:`checksum_next` or :meth:`finish` once it has landed.
+        bytes are in the cache). On a GPU the copy and the device's sums of its pieces are only
+        queued on the side stream (a few launches per tensor in the chunk, no wait); once every
+        chunk is queued, so is the sums' readback, and :meth:`checksum_landed` or
+        :meth:`finish` completes the checksums when it has landed.
 
         Returns:
             Bytes copied (0 if the chunk was already copied).
@@ -438,22 +473,21 @@ class MemoryTier(Tier):
         if a.done[chunk_id]:
             return 0
         if a.cuda:
+            sums = a.piece_sums
             with torch.cuda.stream(self._stream):
-                queued = (copy_chunk_device(a.layout, chunk_id, a.sources, a.region)
-                          if a.device_sums is not None else None)
+                queued = (copy_chunk_device(a.layout, chunk_id, a.sources, a.region,
+                                            sums.of_chunk(chunk_id))
+                          if sums is not None else None)
                 if queued is None:  # crc32, or a misaligned device tensor: host checksum
                     n = copy_chunk(a.layout, chunk_id, a.sources, a.region, non_blocking=True)
                 else:
-                    n, a.partial_sums[chunk_id], device_sum = queued
-                    sums = a.device_sums
-                    assert sums is not None
-                    if device_sum is None:  # only host tensors in this chunk
-                        sums[chunk_id] = 0
-                    else:
-                        sums[chunk_id].copy_(device_sum, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-            a.events.append((chunk_id, event))  # checksummed by checksum_next or finish
+                    n, a.partial_sums[chunk_id] = queued
+                a.num_queued += 1
+                if a.num_queued == a.layout.num_chunks:  # the last one: read the sums back
+                    if sums is not None:
+                        sums.host.copy_(sums.device, non_blocking=True)
+                    a.landed = torch.cuda.Event()
+                    a.landed.record()
         elif a.sources_address is not None:
             n, a.checksums[chunk_id] = copy_chunk_native(
                 a.layout, chunk_id, a.sources_address, a.region_address
@@ -469,7 +503,7 @@ class MemoryTier(Tier):
     @property
     def copies_async(self) -> bool:
         """Whether the active snapshot's copies are queued on a device stream (CUDA) rather
-        than done by ``copy_chunk`` itself; its chunks then need :meth:`checksum_next`."""
+        than done by ``copy_chunk`` itself; its chunks then need :meth:`checksum_landed`."""
         return self._active is not None and self._active.cuda
 
     def guard_copies(self) -> None:
@@ -485,33 +519,38 @@ class MemoryTier(Tier):
     @property
     def copies_in_flight(self) -> int:
         """Device copies queued but not checksummed yet (0 on the CPU)."""
-        return 0 if self._active is None else len(self._active.events)
+        a = self._active
+        return 0 if a is None or a.checksummed else a.num_queued
 
-    def checksum_next(self, *, wait: bool = True) -> bool:
-        """Checksum the oldest queued device copy once it has landed.
+    def checksum_landed(self, *, wait: bool = True) -> bool:
+        """Checksum every chunk of the active device snapshot once all its copies have landed.
+
+        The device summed each piece as it copied it; this adds the sums read back (one copy
+        behind the last chunk's) per chunk, so the host never reads the snapshot (it does
+        with ``crc32`` or a misaligned tensor, which the device does not sum).
 
         Args:
-            wait: wait for the copy to land; False: return False at once if it has not.
+            wait: wait for the copies to land; False: return False at once if they have not.
 
         Returns:
-            Whether a chunk was checksummed (never on the CPU, where ``copy_chunk`` checksums
-            as it copies).
+            Whether the chunks were checksummed now: False on the CPU (``copy_chunk``
+            checksums as it copies), before every chunk is queued, or once done.
         """
         a = self._active
-        if a is None or not a.events:
+        if a is None or a.landed is None or not self.copies_in_flight:
             return False
-        chunk_id, event = a.events[0]
-        if not wait and not event.query():
+        if not wait and not a.landed.query():
             return False
-        event.synchronize()
-        a.events.pop(0)
-        partial = a.partial_sums[chunk_id]
-        if partial is not None:  # summed by the device, from the bytes it copied
-            assert a.device_sums is not None
-            a.checksums[chunk_id] = (partial + int(a.device_sums[chunk_id])) & MASK64
-        else:
-            start, end = a.layout.chunk_range(chunk_id)
-            a.checksums[chunk_id] = checksum(a.region[start:end], self.checksum)
+        a.landed.synchronize()
+        device_parts = a.piece_sums.chunk_sums() if a.piece_sums is not None else None
+        for chunk_id, partial in enumerate(a.partial_sums):
+            if partial is not None:  # summed by the device, from the bytes it copied
+                assert device_parts is not None
+                a.checksums[chunk_id] = (partial + int(device_parts[chunk_id])) & MASK64
+            else:
+                start, end = a.layout.chunk_range(chunk_id)
+                a.checksums[chunk_id] = checksum(a.region[start:end], self.checksum)
+        a.checksummed = True
         return True
 
     def pending_chunks(self) -> list[int]:
@@ -536,8 +575,7 @@ class MemoryTier(Tier):
             raise RuntimeError("finish() called without begin(): no snapshot is being written")
         for chunk_id in self.pending_chunks():
             self.copy_chunk(chunk_id)
-        while self.checksum_next():
-            pass
+        self.checksum_landed()
         record = SnapshotRecord(
             step=a.step,
             rank=self.rank,
