@@ -42,12 +42,13 @@ import torch
 
 from bubbleguard.checkpoint.checkpointer import job_id_for
 from bubbleguard.checkpoint.copier import SnapshotCopier
-from bubbleguard.checkpoint.layout import DEFAULT_CHUNK_BYTES, DEVICE_CHUNK_BYTES
+from bubbleguard.checkpoint.layout import default_chunk_bytes
 from bubbleguard.checkpoint.state import StageState, capture_state
 from bubbleguard.checkpoint.tiers.shm import MemoryTier, remove_job
 from bubbleguard.models import build_model, lm_loss
 from bubbleguard.pipeline.runtime import PipelineJob
 from bubbleguard.pipeline.stage import split
+from bubbleguard.pipeline.timeline import EventKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import (  # noqa: E402 -- the sibling benchmark's method, reused
@@ -128,7 +129,7 @@ def run_interleaved(size: dict[str, Any], modes: Sequence[str], ckpt_root: str,
         elapsed = time.perf_counter() - start
         mine = phases.setdefault(job.step_count, {})
         for e in events[first_event:]:
-            if e.kind == "checkpoint" and e.name != "ckpt chunk":
+            if e.kind == EventKind.CHECKPOINT and e.name != "ckpt chunk":
                 mine[e.name] = mine.get(e.name, 0.0) + e.duration_s
         del events[:]  # the benchmark reads each step's events once: keep memory flat
         return elapsed, dict(job.last_stats)
@@ -159,10 +160,6 @@ def stage_state(size: dict[str, Any]) -> StageState:
     job = build_job(size)
     job.step(*Batches(size).next())
     return capture_state(job.stage, job.optimizer, step=1)
-
-
-def default_chunk_bytes(device: str) -> int:
-    return DEVICE_CHUNK_BYTES if device == "cuda" else DEFAULT_CHUNK_BYTES
 
 
 def measure_bandwidth(state: StageState, repeats: int, shm: str | None,

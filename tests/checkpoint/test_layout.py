@@ -13,12 +13,15 @@ from hypothesis import strategies as st
 
 from bubbleguard.checkpoint.checksum import MASK64, checksum
 from bubbleguard.checkpoint.layout import (
+    DEFAULT_CHUNK_BYTES,
+    DEVICE_CHUNK_BYTES,
     NATIVE_COPY_AVAILABLE,
     ChunkLayout,
     copy_chunk,
     copy_chunk_checksummed,
     copy_chunk_device,
     copy_chunk_native,
+    default_chunk_bytes,
     flat_bytes,
     tensors_from_region,
     word_sum,
@@ -253,3 +256,9 @@ def test_native_copy_is_built_where_a_c_compiler_is() -> None:
     if shutil.which(compiler) is None:
         pytest.skip(f"no C compiler ({compiler}) on this machine")
     assert NATIVE_COPY_AVAILABLE
+
+
+def test_default_chunk_bytes_is_larger_for_device_state() -> None:
+    # No CUDA needed: the choice depends on the device's type only.
+    assert default_chunk_bytes("cpu") == DEFAULT_CHUNK_BYTES == 4 << 20
+    assert default_chunk_bytes(torch.device("cuda", 0)) == DEVICE_CHUNK_BYTES == 64 << 20

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from bubbleguard.checkpoint.copier import SnapshotCopier
 from bubbleguard.checkpoint.errors import IncompleteCheckpointError
-from bubbleguard.checkpoint.layout import DEFAULT_CHUNK_BYTES, DEVICE_CHUNK_BYTES
+from bubbleguard.checkpoint.layout import default_chunk_bytes
 from bubbleguard.checkpoint.manifest import agree_newest_step
 from bubbleguard.checkpoint.persist import BackgroundPersister
 from bubbleguard.checkpoint.state import (
@@ -221,9 +221,8 @@ class Checkpointer:
         # snapshots never wait for it (the newest complete one and the pinned one are kept).
         self.memory = MemoryTier(config.job_id or job_id_for(config.ckpt_dir), self.rank,
                                  num_ranks=self.num_ranks, root=config.shm_root,
-                                 chunk_bytes=config.chunk_bytes or (
-                                     DEVICE_CHUNK_BYTES if _stage_device(job.stage).type == "cuda"
-                                     else DEFAULT_CHUNK_BYTES),
+                                 chunk_bytes=config.chunk_bytes
+                                 or default_chunk_bytes(_stage_device(job.stage)),
                                  num_slots=config.memory_slots)
         self.strategy = self._make_strategy()
         job.attach_hooks(self)
@@ -376,9 +375,8 @@ class BubbleStrategy(SnapshotStrategy):
     millisecond's worth at a time, then completes their checksums once they have landed;
     ``before_step()`` queues whatever is left and orders the optimizer step after the copies
     on the device (``MemoryTier.guard_copies``), with no CPU wait, so snapshot k may complete
-    during iteration k+2. A snapshot due while the
-    previous one is still completing waits in ``queued``; ``before_step`` finishes the older
-    one first (by then its copies have landed).
+    during iteration k+2. A snapshot due while the previous one is still completing waits in
+    ``queued``; ``before_step`` finishes the older one first (by then its copies have landed).
     """
 
     name = "bubble"

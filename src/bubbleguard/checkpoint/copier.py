@@ -22,8 +22,9 @@ returns the report at once. One chunk is the most a copy can overrun the end of 
 A snapshot of CUDA tensors (``MemoryTier.copies_async``) goes differently, because its copies are
 not CPU work: each ``run_one`` queues chunks on the tier's side stream for up to
 :data:`QUEUE_SLICE_S` (the copy engine runs them alongside compute), then one ``run_one``
-completes every chunk's checksum once the copies have landed, then one writes the record. The runtime runs these units alongside compute on a GPU (see
-``PipelineJob``), not only inside waits.
+completes every chunk's checksum once the copies have landed, then one writes the record. The
+runtime runs these units alongside compute on a GPU (see ``PipelineJob``), not only inside
+waits.
 """
 
 from __future__ import annotations

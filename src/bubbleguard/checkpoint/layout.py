@@ -46,6 +46,14 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 DEVICE_CHUNK_BYTES = 64 << 20
 """Chunk size for CUDA state (``CheckpointConfig``'s default there): its copies run on the copy
 engine, so a chunk bounds no overrun, and each piece (chunk x tensor) costs launches."""
+
+
+def default_chunk_bytes(device: torch.device | str) -> int:
+    """The chunk size for state on ``device``: :data:`DEVICE_CHUNK_BYTES` on CUDA, else
+    :data:`DEFAULT_CHUNK_BYTES` (on the CPU a chunk bounds how far a copy overruns a bubble)."""
+    return DEVICE_CHUNK_BYTES if torch.device(device).type == "cuda" else DEFAULT_CHUNK_BYTES
+
+
 COPY_BLOCK_BYTES = 512 << 10
 """Block of a fused copy + checksum: small enough to stay in a core's L2 cache (>= 1 MiB on
 current x86 server cores) between the copy and the checksum, large enough that the per-block

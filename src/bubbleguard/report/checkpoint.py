@@ -15,8 +15,9 @@ def checkpoint_summary(events: Sequence[TimelineEvent], skip_steps: int = 1) -> 
     """Per stage (replica 0): median per-step checkpoint time in bubbles and blocking.
 
     Blocking time is what the ``CKPT begin`` / ``CKPT finish`` hooks took on the training thread
-    (on a GPU also ``CKPT pause``: waiting for the helper thread's unit in flight); bubble time is the chunk copies made while waiting on receives. Returns None when the run
-    recorded no checkpoint work.
+    (on a GPU also ``CKPT pause``: waiting for the helper thread's unit in flight); bubble time
+    is the chunk copies made while waiting on receives. Returns None when the run recorded no
+    checkpoint work.
     """
     per: dict[tuple[int, int], dict[str, float]] = defaultdict(lambda: {"bubble": 0.0,
                                                                         "blocking": 0.0})
