@@ -54,6 +54,7 @@ import json
 import os
 import platform
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -83,6 +84,7 @@ from bubbleguard.train import TrainConfig, run_local, start_rank
 
 MODES = ("none", "sync", "background", "dcp-async", "bubble")
 BLOCK_STEPS = 10  # one block = one persist period
+THREAD_COUNTERS = ("cpu_s", "run_delay_s", "minor_faults", "preempted")
 EVICT_BYTES = 256 << 20
 
 
@@ -120,18 +122,22 @@ def block_order(modes: Sequence[str], rounds: int) -> list[tuple[int, str]]:
 
 
 def bench_worker(cfg: TrainConfig, modes: Sequence[str], rounds: int, ckpt_root: str,
-                 ) -> dict[str, Any]:
+                 persist_every: int = BLOCK_STEPS) -> dict[str, Any]:
     """One rank of the interleaved job: every mode's blocks in turn (see the module docstring)."""
     ranked = start_rank(cfg)
     job = ranked.job
-    ckpts = mode_checkpointers(job, modes, ckpt_root, ranked.batches.state_dict)
+    ckpts = mode_checkpointers(job, modes, ckpt_root, ranked.batches.state_dict,
+                               persist_every=persist_every)
     losses: list[float | None] = []
 
     def step() -> tuple[float, dict[str, float]]:
         inputs, targets = ranked.next_batch(cfg)
+        before = thread_counters()
         start = time.perf_counter()
         losses.append(job.step(inputs, targets))
-        return time.perf_counter() - start, dict(job.last_stats)
+        elapsed = time.perf_counter() - start
+        after = thread_counters()
+        return elapsed, {**job.last_stats, **{k: after[k] - before[k] for k in after}}
 
     blocks = run_blocks(job, ckpts, step, block_order(modes, rounds))
     for ckpt in ckpts.values():
@@ -141,12 +147,28 @@ def bench_worker(cfg: TrainConfig, modes: Sequence[str], rounds: int, ckpt_root:
     return {"rank": ranked.rank, "blocks": blocks, "losses": losses}
 
 
+def thread_counters() -> dict[str, float]:
+    """The calling thread's scheduler counters (Linux; empty elsewhere): ``cpu_s``, time on a
+    CPU; ``run_delay_s``, time it was runnable but waited for a CPU; ``minor_faults``;
+    ``preempted``, involuntary context switches. Differences over a step split its time into
+    the thread's own work, waiting for the CPU and waiting for peers (the rest)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu_ns, waiting_ns, _ = f.read().split()
+    except OSError:
+        return {}
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return {"cpu_s": int(on_cpu_ns) / 1e9, "run_delay_s": int(waiting_ns) / 1e9,
+            "minor_faults": float(usage.ru_minflt), "preempted": float(usage.ru_nivcsw)}
+
+
 def mode_checkpointers(job: Any, modes: Sequence[str], ckpt_root: str, data_state: Any,
-                       shm_root: str | None = None,
-                       chunk_bytes: int | None = None) -> dict[str, Checkpointer]:
-    """One checkpointer per mode but ``none`` (each with its own directory), all detached."""
+                       shm_root: str | None = None, chunk_bytes: int | None = None,
+                       persist_every: int = BLOCK_STEPS) -> dict[str, Checkpointer]:
+    """One checkpointer per mode but ``none`` (each with its own directory), all detached;
+    ``persist_every=0``: snapshots only (an ablation: what the durable tier costs)."""
     ckpts = {mode: Checkpointer(job, CheckpointConfig(mode=mode, ckpt_dir=f"{ckpt_root}/ckpt-{mode}",
-                                                      every=1, persist_every=BLOCK_STEPS,
+                                                      every=1, persist_every=persist_every,
                                                       keep_last=2, shm_root=shm_root,
                                                       chunk_bytes=chunk_bytes),
                                 data_state=data_state)
@@ -177,12 +199,16 @@ def run_blocks(job: Any, ckpts: dict[str, Checkpointer],
             job.attach_hooks(ckpt)
         first = job.step_count + 1
         times, blocking, in_bubbles, overrun = [], [], [], []
+        counters: dict[str, list[float]] = {}
         for _ in range(BLOCK_STEPS):
             dt, stats = step()
             times.append(dt)
             blocking.append(stats["ckpt_blocking_s"])
             in_bubbles.append(stats["ckpt_bubble_s"])
             overrun.append(stats["ckpt_overrun_s"])
+            for key in THREAD_COUNTERS:
+                if key in stats:
+                    counters.setdefault(key, []).append(stats[key])
         start = time.perf_counter()
         if ckpt is not None:
             ckpt.flush()
@@ -192,7 +218,8 @@ def run_blocks(job: Any, ckpts: dict[str, Checkpointer],
                        "step_times_s": times[1:], "blocking_s": blocking[1:],
                        "bubble_s": in_bubbles[1:], "overrun_s": overrun[1:], "flush_s": flush_s,
                        "durable_step": newest_durable_step(ckpt),
-                       "persist_errors": failed[reported.get(mode, 0):]})
+                       "persist_errors": failed[reported.get(mode, 0):],
+                       "thread": {key: v[1:] for key, v in counters.items()}})
         reported[mode] = len(failed)
     return blocks
 
@@ -224,14 +251,15 @@ def newest_durable_step(ckpt: Checkpointer | None) -> int | None:
 
 
 def run_interleaved(size: dict[str, Any], modes: Sequence[str], workdir: Path, ckpt_root: Path,
-                    ) -> tuple[list[dict[str, Any]], list[float]]:
+                    persist_every: int = BLOCK_STEPS) -> tuple[list[dict[str, Any]], list[float]]:
     """Launch the interleaved job; per block: rank 1's step times, both ranks' checkpoint
     time (blocking, in bubbles, flush)."""
     rounds = size["rounds"]
     steps = BLOCK_STEPS - 1 + BLOCK_STEPS * len(block_order(modes, rounds))
     cfg = _train_config(size, steps, str(workdir / "run"))
     try:
-        results = launch_local(bench_worker, (cfg, tuple(modes), rounds, str(ckpt_root)), 2,
+        results = launch_local(bench_worker, (cfg, tuple(modes), rounds, str(ckpt_root),
+                                              persist_every), 2,
                                threads_per_rank=1)
     finally:
         for mode in modes:
@@ -242,7 +270,7 @@ def run_interleaved(size: dict[str, Any], modes: Sequence[str], workdir: Path, c
         assert (b0["mode"], b0["first_step"]) == (b1["mode"], b1["first_step"])
         blocks.append({**b1, **{key: {"0": b0[key], "1": b1[key]}
                                 for key in ("blocking_s", "bubble_s", "overrun_s", "flush_s",
-                                            "durable_step")}})
+                                            "durable_step", "thread")}})
     return blocks, [float(x) for x in last["losses"]]
 
 
@@ -461,7 +489,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="comma-separated modes to compare (none and bubble always run)")
     parser.add_argument("--ckpt-root", help="where the modes write their checkpoints (default: a "
                                             "temporary directory under $TMPDIR)")
+    parser.add_argument("--no-persist", action="store_true",
+                        help="ablation: snapshots every step but no durable persists")
     args = parser.parse_args(argv)
+    persist_every = 0 if args.no_persist else BLOCK_STEPS
     modes = tuple(m for m in MODES if m in {"none", "bubble", *args.modes.split(",")})
     size = bench_size(args.tiny)
     if args.rounds:
@@ -471,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bubbleguard-overhead-") as work, \
             tempfile.TemporaryDirectory(prefix="bubbleguard-overhead-ckpt-",
                                         dir=args.ckpt_root) as ckpt_root:
-        blocks, losses = run_interleaved(size, modes, Path(work), Path(ckpt_root))
+        blocks, losses = run_interleaved(size, modes, Path(work), Path(ckpt_root), persist_every)
         identical = None
         if args.tiny:  # a plain run of the same steps: checkpointing must not change training
             metrics = Path(work) / "plain.jsonl"
@@ -488,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "stages": 2, "threads_per_rank": 1, "schedule": "1f1b",
                    "microbatches": size["microbatches"], "batch_size": size["batch_size"],
                    "block_steps": BLOCK_STEPS, "measured_steps_per_block": BLOCK_STEPS - 1,
-                   "rounds": size["rounds"], "ckpt_every": 1, "persist_every": BLOCK_STEPS},
+                   "rounds": size["rounds"], "ckpt_every": 1, "persist_every": persist_every},
         "torch": torch.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
         "load_average_at_end": list(os.getloadavg()),
         "wall_s": time.perf_counter() - started,
