@@ -36,8 +36,8 @@ step times, as ``bubbleguard train`` does):
   Means, not medians: the steps a persist slows are part of the cost;
 * ``ckpt_blocking_s``: mean per step of the time each rank's training thread spent in checkpoint
   hooks (``after_step`` + ``before_step``); ``ckpt_bubble_s``: the same for the work done while
-  waiting on receives; ``ckpt_overrun_s``: the part of that work that outlasted its wait (the
-  chunk in flight when the data lands, which ends at idle priority while the stage goes on);
+  waiting on receives; ``ckpt_overrun_s``: the part of that work that outlasted its wait (from
+  the data's arrival to the end of the chunk in flight: on the critical path too);
   per step and rank, ``blocks[].thread``: the training thread's scheduler counters (time on a
   CPU, time runnable but off the CPU, minor faults, preemptions).
 

@@ -152,15 +152,13 @@ def test_hooks_are_called_in_order_and_bubble_work_runs_only_while_there_is_some
             # work; the helper may ask once more after the last unit. How many of the 3 units
             # the waits hold depends on when the data lands (a wait can end before the helper
             # ran one); before_step does the rest: together exactly the 3.
-            # has_work is skipped at a receive while the helper still runs a unit from an
-            # earlier wait (it goes on with the next): at most once per receive.
             waits, last = step2[:-1], step2[-1]
-            assert last == "before_step" and 1 <= waits.count("has_work") <= 4
+            assert last == "before_step" and waits.count("has_work") == 4
             assert waits.count("run_one") + results[rank][str(budget)]["finished"][1] == budget
             assert waits.count("run_one idle") <= (1 if budget else 0)
             for i, c in enumerate(waits):
                 if c.startswith("run_one"):
-                    assert waits[i - 1] in ("has_work", "run_one", "run_one idle")
+                    assert waits[i - 1] in ("has_work", "run_one")
 
 
 @pytest.mark.timeout(120)
@@ -251,6 +249,4 @@ def test_an_error_in_bubble_work_is_raised_by_step_on_the_training_thread(
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert r1 == {"outcome": "OSError 28 No space left on device /dev/shm/bubbleguard",
                   "step_count": 2}
-    # The error surfaces at rank 1's checkpoint action, where the training thread waits for
-    # the helper's unit, after every receive and send of the step: rank 0's step completes.
-    assert r0 == {"outcome": "no error", "step_count": 2}
+    assert r0["outcome"].startswith("RuntimeError")

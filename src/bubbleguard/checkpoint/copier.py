@@ -16,9 +16,8 @@ Given a callable, ``start`` only stores it: the first ``run_one`` (or ``finish``
 begins the snapshot, so that capture and ``MemoryTier.begin`` run in a bubble rather than at the
 step boundary. Chunks are copied in id order; the ``run_one`` after the last chunk writes the
 record, so when the bubbles hold the whole snapshot it is complete before ``finish``, which then
-returns the report at once. One chunk is the most a copy can overrun the end of a wait (the
-runtime lets it end at idle priority while the stage goes on), so ``chunk_bytes`` bounds the
-work left behind a wait (4 MiB at ~10 GB/s is ~0.4 ms).
+returns the report at once. One chunk is the most a copy can overrun the end of a wait, so
+``chunk_bytes`` bounds the delay a copy can add (4 MiB at ~10 GB/s is ~0.4 ms).
 
 A snapshot of CUDA tensors (``MemoryTier.copies_async``) goes differently, because its copies are
 not CPU work: each ``run_one`` queues chunks on the tier's side stream for up to

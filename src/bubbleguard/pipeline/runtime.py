@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -61,10 +60,9 @@ class StepHooks(Protocol):
     receive), then ``before_step`` at the ``CHECKPOINT`` action (just before
     the optimizer step: the state must not change under an unfinished snapshot), then
     ``after_step`` right after the optimizer step. Time spent in ``before_step`` and
-    ``after_step`` is checkpoint overhead (``ckpt_blocking_s``), and so is waiting there for a
-    unit still in flight; time in ``run_one`` hides in bubbles (``ckpt_bubble_s``). A unit can
-    outlast its wait: the stage goes on at once and the unit ends on CPU time the stage leaves
-    (on the CPU the helper runs at ``SCHED_IDLE``); that part is ``ckpt_overrun_s``.
+    ``after_step`` is checkpoint overhead (``ckpt_blocking_s``); time in ``run_one`` hides in
+    bubbles (``ckpt_bubble_s``), except for the part of a unit that outlasts its wait: from the
+    data's arrival until the unit in flight ends, the stage sits idle (``ckpt_overrun_s``).
     """
 
     def has_work(self) -> bool:
@@ -92,43 +90,22 @@ _DEVICE_POLL_S = 0.0005
 """How often the helper thread looks again for a device copy that has landed (GPU)."""
 
 
-def _set_idle_priority(tid: int, idle: bool) -> bool:
-    """Put thread ``tid`` (0: the calling thread) in ``SCHED_IDLE``, or back in ``SCHED_OTHER``.
-
-    Returns whether it worked: Linux only, and leaving ``SCHED_IDLE`` needs ``CAP_SYS_NICE`` or
-    an ``RLIMIT_NICE`` of 20.
-    """
-    try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
-    except (OSError, AttributeError):
-        return False
-    return True
-
-
 class _BubbleWorker:
     """Runs ``hooks.run_one`` in a helper thread while the training thread waits on a receive.
 
     Gloo's ``Work.is_completed()`` does not turn true for a receive until someone calls ``wait()``,
     so the thread that waits cannot also learn "the data is here" between copies. The training
     thread therefore waits itself (``wait()`` releases the GIL and returns the moment the data
-    lands) while this thread copies chunks (the copies release the GIL too).
-
-    On the CPU this thread runs at ``SCHED_IDLE`` (where the OS allows it): when the data lands,
-    the training thread (and gloo's thread that receives the data) take the core back at once
-    instead of queueing behind a copy, and :meth:`stop` does not wait for the chunk in flight:
-    it finishes in CPU time nothing else wants (measured on the 2-core VM: at normal priority
-    the training threads spent 4-8 ms per step runnable but off the CPU, more than the copies'
-    cost elsewhere). Only :meth:`settle`, before the training thread calls a hook itself, waits
-    for the unit in flight to end (it has usually ended long before). Hooks are only ever
-    called by one thread at a time: this one between :meth:`resume` and the end of its unit,
-    the training thread after :meth:`settle`.
+    lands) while this thread copies chunks (the copies release the GIL too). After the wait,
+    :meth:`pause` lets the chunk in flight finish, so a copy never overlaps compute and at most one
+    chunk overruns a wait, as before. Hooks are only ever called by one thread at a time: this one
+    between :meth:`resume` and :meth:`pause`, the training thread otherwise.
 
     On a GPU the work is the snapshot's device copies, which run on the copy engine, and their
     checksums, on a CPU core the training thread (which only launches kernels) leaves free: the
-    job runs this thread (at normal priority) alongside compute, and when ``run_one`` has
-    nothing to do *yet* while ``has_work`` says there is more (a copy still in flight), the
-    thread looks again every :data:`_DEVICE_POLL_S` until :meth:`stop`, which interrupts the
-    wait at once.
+    job runs this thread alongside compute, and when ``run_one`` has nothing to do *yet* while
+    ``has_work`` says there is more (a copy still in flight), the thread looks again every
+    :data:`_DEVICE_POLL_S` until :meth:`pause`, which interrupts the wait at once.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -136,13 +113,9 @@ class _BubbleWorker:
         self._device = device
         self._cond = threading.Condition()
         self._want = False  # written by the training thread: keep working
-        self._generation = 0  # resume() calls so far; the thread runs once per new one
-        self._busy = False  # set by this thread while it runs units
-        self._index = -1  # the action whose wait the units belong to (for the timeline)
+        self._busy = False  # cleared by this thread when it stopped
         self._closed = False
-        self._idle_priority = False
-        self._raised = False  # settle() lifted this thread out of SCHED_IDLE
-        self._spans: list[tuple[int, float, float]] = []
+        self._spans: list[tuple[float, float]] = []
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="bubbleguard-bubble", daemon=True)
         self._thread.start()
@@ -150,72 +123,46 @@ class _BubbleWorker:
     def _loop(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)  # the current device is per thread
-        else:
-            self._idle_priority = _set_idle_priority(0, True)
-        poll = self._device.type == "cuda"
-        seen = 0
         while True:
             with self._cond:
-                self._busy = False
-                if self._raised:
-                    self._raised = not _set_idle_priority(0, True)
-                self._cond.notify_all()
-                while (self._generation == seen or not self._want) and not self._closed:
+                while not self._busy and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
-                seen = self._generation
-                self._busy = True
-                hooks = self._hooks
-            assert hooks is not None
+            assert self._hooks is not None
+            poll = self._device.type == "cuda"
             try:
                 while self._want:
                     t0 = time.perf_counter()
-                    if hooks.run_one():
-                        self._spans.append((self._index, t0, time.perf_counter()))
-                    elif poll and hooks.has_work():
+                    if self._hooks.run_one():
+                        self._spans.append((t0, time.perf_counter()))
+                    elif poll and self._hooks.has_work():
                         with self._cond:  # a device copy in flight: look again soon
                             self._cond.wait_for(lambda: not self._want, _DEVICE_POLL_S)
                     else:
                         break
             except BaseException as exc:  # handed to the training thread, which re-raises it
                 self._error = exc
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
 
-    @property
-    def busy(self) -> bool:
-        """Whether a unit may still be running (until :meth:`settle` says otherwise)."""
-        return self._busy
-
-    def resume(self, hooks: StepHooks, index: int) -> None:
-        """Run ``hooks.run_one`` until :meth:`stop` (or until it has nothing to do); the units
-        are recorded against action ``index``."""
+    def resume(self, hooks: StepHooks) -> None:
+        """Start running ``hooks.run_one`` until :meth:`pause` (or until it has nothing to do)."""
         with self._cond:
             self._hooks = hooks
-            self._index = index
-            self._want = True
-            self._generation += 1
+            self._want = self._busy = True
             self._cond.notify_all()
 
-    def stop(self) -> None:
-        """Start no new unit (the one in flight finishes on its own; does not wait)."""
-        with self._cond:
-            self._want = False
-            self._cond.notify_all()  # ends a device poll's wait at once
-
-    def settle(self) -> list[tuple[int, float, float]]:
-        """Wait for the unit in flight (after :meth:`stop`); the (action index, start, end) of
-        every unit run since the last call.
+    def pause(self) -> list[tuple[float, float]]:
+        """Stop after the unit in flight; the (start, end) of every unit run since ``resume``.
 
         Raises:
             BaseException: whatever ``run_one`` raised.
         """
         with self._cond:
             self._want = False
-            tid = self._thread.native_id
-            if self._busy and self._idle_priority and not self._raised and tid:
-                # The training thread now waits for it: let it run at normal priority, so that
-                # other work on a busy machine cannot starve it (where the OS allows).
-                self._raised = _set_idle_priority(tid, False)
+            self._cond.notify_all()  # ends a device poll's wait at once
             while self._busy:
                 self._cond.wait()
         spans, self._spans = self._spans, []
@@ -223,11 +170,6 @@ class _BubbleWorker:
             error, self._error = self._error, None
             raise error
         return spans
-
-    def pause(self) -> list[tuple[int, float, float]]:
-        """:meth:`stop`, then :meth:`settle`."""
-        self.stop()
-        return self.settle()
 
     def close(self) -> None:
         with self._cond:
@@ -313,7 +255,6 @@ class PipelineJob:
         self._output_meta: tuple[torch.Size, torch.dtype] | None = None
         self._worker: _BubbleWorker | None = None
         self._alongside = False  # the worker runs alongside compute (GPU; see _start_alongside)
-        self._arrivals: dict[int, float] = {}  # this step: action index -> when its data landed
 
     def attach_hooks(self, hooks: StepHooks) -> None:
         """Plug a checkpointer in: adds the ``CHECKPOINT`` action before every ``STEP``.
@@ -345,9 +286,8 @@ class PipelineJob:
         is_grad = action.kind in (ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)
         return 2 * action.microbatch + int(is_grad)
 
-    def _start_alongside(self, index: int) -> None:
-        """On a GPU, run the hooks' work in the helper thread alongside compute (its units
-        recorded against action ``index``).
+    def _start_alongside(self) -> None:
+        """On a GPU, run the hooks' work in the helper thread alongside compute.
 
         The snapshot's copies run on the copy engine and the training thread only launches
         kernels, so there is no reason to keep the work to the waits as on the CPU. It runs
@@ -359,7 +299,7 @@ class PipelineJob:
             return
         if self._worker is None:
             self._worker = _BubbleWorker(self.device)
-        self._worker.resume(hooks, index)
+        self._worker.resume(hooks)
         self._alongside = True
 
     def _stop_alongside(self, index: int) -> None:
@@ -374,42 +314,28 @@ class PipelineJob:
         end = time.perf_counter()
         self.timeline.add(EventKind.CHECKPOINT, "CKPT pause", start, end, index)
         self.last_stats["ckpt_blocking_s"] += end - start
-        self._record_units(spans)
-
-    def _settle(self) -> None:
-        """Wait for the helper's unit in flight, if any (before the training thread calls a
-        hook itself), and record the units it ran."""
-        if self._worker is not None and not self._alongside:
-            self._record_units(self._worker.settle())
-
-    def _record_units(self, spans: list[tuple[int, float, float]]) -> None:
-        """Record the helper's units: on the timeline, in ``ckpt_bubble_s``, and the part of
-        each that ran after its wait had ended in ``ckpt_overrun_s``."""
-        for index, t0, t1 in spans:
+        for t0, t1 in spans:
             self.timeline.add(EventKind.CHECKPOINT, "ckpt chunk", t0, t1, index)
             self.last_stats["ckpt_bubble_s"] += t1 - t0
-            arrived = self._arrivals.get(index)
-            if arrived is not None:
-                self.last_stats["ckpt_overrun_s"] += max(0.0, t1 - max(t0, arrived))
 
     def _wait_recv(self, work: dist.Work, action: Action, index: int) -> None:
         start = time.perf_counter()
         hooks = self.hooks
-        worker = self._worker
-        # A unit still running from an earlier wait keeps going (has_work must not be asked
-        # while the helper runs a unit: hooks are called by one thread at a time).
-        if (self._alongside or hooks is None
-                or not ((worker is not None and worker.busy) or hooks.has_work())):
+        if self._alongside or hooks is None or not hooks.has_work():
             work.wait()
         else:
-            if worker is None:
-                worker = self._worker = _BubbleWorker(self.device)
-            worker.resume(hooks, index)
+            if self._worker is None:
+                self._worker = _BubbleWorker(self.device)
+            self._worker.resume(hooks)
             try:
                 work.wait()
             finally:
-                self._arrivals[index] = time.perf_counter()
-                worker.stop()  # the chunk in flight ends on its own, at idle priority
+                arrived = time.perf_counter()
+                spans = self._worker.pause()
+                self.last_stats["ckpt_overrun_s"] += time.perf_counter() - arrived
+            for t0, t1 in spans:
+                self.timeline.add(EventKind.CHECKPOINT, "ckpt chunk", t0, t1, index)
+                self.last_stats["ckpt_bubble_s"] += t1 - t0
         self.timeline.add(EventKind.IDLE, f"wait {action}", start, time.perf_counter(), index)
 
     def _negotiate_shapes(self, first_microbatch: torch.Tensor | None) -> None:
@@ -478,7 +404,6 @@ class PipelineJob:
         self.step_count += 1
         self.timeline.step = self.step_count
         self.last_stats = {"ckpt_blocking_s": 0.0, "ckpt_bubble_s": 0.0, "ckpt_overrun_s": 0.0}
-        self._arrivals = {}
         stage_inputs: dict[int, torch.Tensor] = {}
         stage_outputs: dict[int, torch.Tensor] = {}
         losses: dict[int, torch.Tensor] = {}
@@ -486,7 +411,7 @@ class PipelineJob:
         pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tl = self.timeline
-        self._start_alongside(0)
+        self._start_alongside()
         try:
             for index, action in enumerate(self.actions):
                 kind, mb = action.kind, action.microbatch
@@ -538,7 +463,7 @@ class PipelineJob:
                 elif kind is ActionKind.CHECKPOINT:
                     assert self.hooks is not None
                     self._stop_alongside(index)
-                    self._timed_hook(self.hooks.before_step, "CKPT finish", index, settle=True)
+                    self._timed_hook(self.hooks.before_step, "CKPT finish", index)
                 elif kind is ActionKind.STEP:
                     with tl.span(EventKind.STEP, "STEP", index):
                         for work, _ in pending_sends:
@@ -548,28 +473,22 @@ class PipelineJob:
                         self.optimizer.zero_grad(set_to_none=True)
                     if self.hooks is not None:
                         self._timed_hook(functools.partial(self.hooks.after_step, self.step_count),
-                                         "CKPT begin", index, settle=True)
-                        self._start_alongside(index)
+                                         "CKPT begin", index)
+                        self._start_alongside()
             loss = float(loss_sum) if stage.is_last else None
         except BaseException:
             # Leave no helper thread running into the caller's code; the error that stopped
             # the step is the one to report.
-            self._alongside = False
-            if self._worker is not None:
+            if self._alongside:
+                self._alongside = False
                 with contextlib.suppress(Exception):
-                    self._worker.pause()
+                    self._worker.pause()  # type: ignore[union-attr]
             raise
         self._stop_alongside(len(self.actions) - 1)
-        self._settle()  # between steps the hooks are the caller's
         return loss
 
-    def _timed_hook(self, hook: Callable[[], None], name: str, index: int, *,
-                    settle: bool = False) -> None:
-        """Run a hook on the training thread, timed as checkpoint overhead; with ``settle``,
-        after waiting for the helper's unit in flight (part of the overhead)."""
+    def _timed_hook(self, hook: Callable[[], None], name: str, index: int) -> None:
         start = time.perf_counter()
-        if settle:
-            self._settle()
         hook()
         end = time.perf_counter()
         self.timeline.add(EventKind.CHECKPOINT, name, start, end, index)
