@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ["none", "sync", "background", "dcp-async", "bubble"]
+THREAD_COUNTERS = ["cpu_s", "run_delay_s", "minor_faults", "preempted"]
 
 
 @pytest.mark.timeout(240)
@@ -51,6 +53,15 @@ def test_overhead_benchmark_tiny(tmp_path: Path) -> None:
         n = cfg["rounds"] * blocks_per_round
         assert doc["modes"][mode]["persisted_blocks"] == {"of": n, "0": n, "1": n}, mode
     assert "persisted_blocks" not in doc["modes"]["none"]
+    # Every measured step carries the training threads' scheduler counters (Linux), per rank.
+    if os.path.exists("/proc/thread-self/schedstat"):
+        for b in doc["blocks"]:
+            for rank in ("0", "1"):
+                counters = b["thread"][rank]
+                assert sorted(counters) == sorted(THREAD_COUNTERS)
+                assert all(len(v) == cfg["measured_steps_per_block"] for v in counters.values())
+                assert all(t > 0 for t in counters["cpu_s"])
+                assert all(t >= 0 for t in counters["run_delay_s"])
     assert all(b["durable_step"] == {"0": None, "1": None}
                for b in doc["blocks"] if b["mode"] == "none")
     # background and bubble persist every 10th snapshot, the block's first; sync and
