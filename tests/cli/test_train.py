@@ -62,12 +62,18 @@ def test_two_stage_1f1b_run_writes_metrics_trace_and_bubbles_where_the_schedule_
                        for w in waits) for c in chunks)
     assert all("ckpt_blocking_s" in r for r in lines)
 
+    # The largest predicted window of each stage is measured at about its predicted length (the
+    # prediction times the schedule with this run's own stage times). Not "is also the largest
+    # measured": with the cores shared with other processes, stage 0's windows of 15-30 ms swap
+    # order from run to run, and beside a busy process this ratio ranged 0.7-1.6x. A wait recorded
+    # at the wrong receive would leave this window near 0.
     record = json.loads((run_dir / "bubbles.json").read_text())
     for measured, predicted in zip(record["measured"]["stages"], record["predicted"]["stages"],
                                    strict=True):
-        def largest(stage: dict) -> str:
-            return max(stage["windows"], key=lambda w: w["duration_s"])["waiting_for"]
-        assert largest(measured) == largest(predicted)
+        top = max(predicted["windows"], key=lambda w: w["duration_s"])
+        seen = {w["waiting_for"]: w["duration_s"] for w in measured["windows"]}
+        assert 0.5 * top["duration_s"] <= seen[top["waiting_for"]] <= 2.0 * top["duration_s"], \
+            (top, measured["windows"])
     # Stage 1 waits at the top of the iteration for its first activation; stage 0 waits for the
     # first gradient after its warm-up forwards.
     s0, s1 = record["predicted"]["stages"]

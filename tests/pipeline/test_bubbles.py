@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -86,6 +88,23 @@ def test_measure_recovers_the_windows_of_a_timeline() -> None:
         assert ms.idle_s == pytest.approx(ps.idle_s)
     tf, tb, _ = stage_compute_times(events, 3)
     assert tf == [1.0] * 3 and tb == [2.0] * 3
+
+
+def test_one_stalled_step_does_not_make_a_bubble() -> None:
+    # Stage 0 of 1f1b P=2 M=4 (t_f=1, t_b=2) waits 2.0 for RG0 and 0 for RG1 in every step; one step
+    # (another process took the core) waits 30 for RG1. Averaged, RG1 would look like the largest
+    # window (30/5 = 6); the typical iteration still has it at 0.
+    sched = build_schedule("1f1b", 2, 4)
+    events = _events_from_prediction("1f1b", 2, 4, 1.0, 2.0, num_steps=6)
+    stalled = next(i for i, e in enumerate(events) if e.stage == 0 and e.step == 4
+                   and e.kind == EventKind.IDLE and e.name == "wait RG1<-1")
+    events[stalled] = replace(events[stalled], end_s=events[stalled].start_s + 30.0)
+    s0 = measure_bubbles(events, sched).stages[0]
+    by_name = {w.waiting_for: w.duration_s for w in s0.windows}
+    assert by_name["RG0<-1"] == pytest.approx(2.0)
+    assert by_name["RG1<-1"] == 0.0
+    assert max(s0.windows, key=lambda w: w.duration_s).waiting_for == "RG0<-1"
+    assert s0.iteration_s == pytest.approx(15.0)
 
 
 def test_measure_needs_steps_after_warmup() -> None:

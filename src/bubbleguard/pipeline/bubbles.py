@@ -204,10 +204,12 @@ def measure_stage_bubbles(
     events: Sequence[TimelineEvent], schedule: PipelineSchedule, stage: int,
     skip_steps: int = 1,
 ) -> StageBubbles:
-    """Average idle windows of one stage (replica 0) over the recorded steps after ``skip_steps``.
+    """Typical idle windows of one stage (replica 0) over the recorded steps after ``skip_steps``.
 
-    The idle events must carry the action index of the receive they waited for, as the runtime
-    records them. A rank can call this on its own timeline alone.
+    Each window's duration and offset, and the iteration time, are medians over the steps, so one
+    step stalled by something outside the schedule (another process taking the core) does not make
+    a bubble the plan would count on. The idle events must carry the action index of the receive
+    they waited for, as the runtime records them. A rank can call this on its own timeline alone.
 
     Raises:
         ValueError: fewer than two recorded steps remain after skipping (an iteration's start is
@@ -227,17 +229,18 @@ def measure_stage_bubbles(
     windows = []
     for idx in sorted(per_window):
         offs, durs = zip(*per_window[idx], strict=True)
-        # A window missing in some steps waited 0 there; divide by all steps, not by hits.
+        # A window missing in some steps waited 0 there: those steps count as zeros.
+        zeros = [0.0] * (len(steps) - len(durs))
         windows.append(IdleWindow(idx, str(actions[idx]), _preceding(actions, idx),
-                                  statistics.fmean(offs), sum(durs) / len(steps)))
-    iteration = statistics.fmean(step_end[k] - step_end[k - 1] for k in steps)
+                                  statistics.median(offs), statistics.median([*durs, *zeros])))
+    iteration = statistics.median(step_end[k] - step_end[k - 1] for k in steps)
     return StageBubbles(stage, iteration, tuple(windows))
 
 
 def measure_bubbles(
     events: Sequence[TimelineEvent], schedule: PipelineSchedule, skip_steps: int = 1,
 ) -> BubbleMap:
-    """Average bubble map of the recorded steps after the first ``skip_steps``, all stages.
+    """Typical bubble map of the recorded steps after the first ``skip_steps``, all stages.
 
     Only replica 0's ranks are used (replicas of a stage run the same list).
 
