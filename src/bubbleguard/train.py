@@ -83,6 +83,8 @@ class TrainConfig:
         ckpt_every: snapshot every this many steps.
         persist_every: durable checkpoint every this many steps (0: only at the end).
         keep_last: durable checkpoints to keep.
+        persist_when_busy: ``skip`` a persist due while the previous one is still being written
+            (default: training never waits for it) or ``wait`` for a slot.
         ckpt_chunk_mb: snapshot chunk size in MiB (the most a copy can overrun a bubble).
         resume: start from the newest complete checkpoint (memory tier first, then durable).
         fault: ``RANK:STEP[:PHASE]`` to kill a rank on the first attempt (fault injection).
@@ -111,6 +113,7 @@ class TrainConfig:
     ckpt_every: int = 1
     persist_every: int = 10
     keep_last: int = 3
+    persist_when_busy: str = "skip"
     ckpt_chunk_mb: float = 4.0
     resume: bool = False
     fault: str | None = None
@@ -162,7 +165,7 @@ class TrainConfig:
         chunk_bytes = max(64, int(self.ckpt_chunk_mb * 2**20) // 64 * 64)
         return CheckpointConfig(mode=self.ckpt, ckpt_dir=self.ckpt_dir, every=self.ckpt_every,
                                 persist_every=self.persist_every, keep_last=self.keep_last,
-                                chunk_bytes=chunk_bytes)
+                                chunk_bytes=chunk_bytes, persist_when_busy=self.persist_when_busy)
 
     @property
     def layout(self) -> Layout:

@@ -51,6 +51,8 @@ def test_bad_configurations_name_the_problem() -> None:
         CheckpointConfig(ckpt_dir="x", every=0)
     with pytest.raises(ValueError, match="chunk_bytes must be a positive multiple of 64, got 100"):
         CheckpointConfig(ckpt_dir="x", chunk_bytes=100)
+    with pytest.raises(ValueError, match="--persist-when-busy must be 'skip' or 'wait', got 'queue'"):
+        CheckpointConfig(ckpt_dir="x", persist_when_busy="queue")
 
 
 @pytest.mark.timeout(120)

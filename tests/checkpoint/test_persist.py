@@ -125,3 +125,32 @@ def test_the_helper_sees_every_slot_of_its_rank(tmp_path: Path) -> None:
         (1, True, None), (2, True, None), (3, True, None)]
     memory.cleanup()
 
+
+
+def test_a_persist_submitted_while_one_is_in_flight_is_skipped_and_the_rank_never_waits(
+        tmp_path: Path) -> None:
+    # With skip_while_busy (what the bubble checkpointer uses), at most one slot is pinned: a
+    # helper starved of CPU time can never leave a three-slot tier without a slot to write.
+    from bubbleguard.checkpoint.persist import BackgroundPersister
+    from bubbleguard.checkpoint.state import StageState
+    from tests.checkpoint.ckpt_testlib import trained_state
+
+    *_, state = trained_state(1)
+    memory = MemoryTier("p", 0, root=tmp_path, chunk_bytes=1024, num_slots=3)
+    persister = BackgroundPersister(memory, DurableTier(tmp_path / "d"), skip_while_busy=True)
+    for step in range(1, 9):
+        later = {k: v + step if v.is_floating_point() else v.clone()
+                 for k, v in state.tensors.items()}
+        memory.write(StageState(step=step, tensors=later, metadata=dict(state.metadata)))
+        if step in (1, 2):
+            persister.submit(step)  # 2 arrives while the helper (still starting) holds 1
+    assert memory.steps()[0] == 8  # every write found a slot at once
+    results = persister.close(timeout_s=60)
+    assert [(r.step, r.persisted) for r in results] == [(1, True), (2, False)]
+    assert results[1].error == ("skipped on rank 0: the persist of step 1 still holds its snapshot "
+                                "(the helper runs on idle CPU time)")
+    assert DurableTier(tmp_path / "d").latest() == 1
+    assert_same_tensors(dict(DurableTier(tmp_path / "d").read(1).tensors),
+                        {k: v + 1 if v.is_floating_point() else v
+                         for k, v in state.tensors.items()})
+    memory.cleanup()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -96,6 +97,10 @@ class CheckpointConfig:
         memory_slots: snapshot slots per rank in the memory tier (>= 2; see ``MemoryTier``).
             With 3 (the default) a persist, which pins its slot until written, never makes
             a snapshot wait; 2 saves one state's worth of shared memory.
+        persist_when_busy: ``"skip"`` (default): a persist due while the previous one is still
+            being written is skipped, so training never waits for the helper (which only gets
+            idle CPU time and can fall behind on a busy machine); ``"wait"``: every due persist
+            is queued, and a snapshot may wait for a free slot (see ``BackgroundPersister``).
     """
 
     mode: str = "bubble"
@@ -107,8 +112,12 @@ class CheckpointConfig:
     chunk_bytes: int | None = None
     shm_root: str | None = None
     memory_slots: int = 3
+    persist_when_busy: str = "skip"
 
     def __post_init__(self) -> None:
+        if self.persist_when_busy not in ("skip", "wait"):
+            raise ValueError(f"--persist-when-busy must be 'skip' or 'wait', got "
+                             f"{self.persist_when_busy!r}")
         if self.mode not in CHECKPOINT_MODES:
             raise ValueError(f"unknown checkpoint mode {self.mode!r}; choose one of "
                              f"{', '.join(CHECKPOINT_MODES)}")
@@ -387,7 +396,9 @@ class BubbleStrategy(SnapshotStrategy):
         self.memory = owner.memory
         self.copier = SnapshotCopier(owner.memory)
         # A helper process that runs in idle CPU time (see persist.py): collective.
-        self.persister = BackgroundPersister(owner.memory, owner.durable)
+        self.persister = BackgroundPersister(
+            owner.memory, owner.durable,
+            skip_while_busy=owner.config.persist_when_busy == "skip")
         self.active: int | None = None
         # GPU: a snapshot taken while the previous one is still being checksummed.
         self.queued: tuple[int, Callable[[], StageState], Any] | None = None
@@ -498,18 +509,25 @@ class BubbleStrategy(SnapshotStrategy):
             self._on_complete()
 
     def flush(self) -> None:
+        self.persister.wait()  # so that a persist due now is not skipped behind one in flight
         self._finish_all()
         if self.commits:
             self._try_commit()
         self.persister.wait()
 
     def close(self) -> None:
+        # The last step's persist must not be skipped behind one still in flight.
+        self.persister.wait()
         self._finish_all()  # the snapshot of the last step, if one is in flight
         if self.commits:
             self._try_commit()
         if self.finished is not None and self.persisted != self.finished:
             self.persister.submit(self.finished)
         results = self.persister.close()
+        skipped = [r for r in results if not r.persisted]
+        if skipped and self.owner.rank == 0:
+            warnings.warn(f"{len(skipped)} of {len(results)} durable persists did not happen; "
+                          f"the first, of step {skipped[0].step}: {skipped[0].error}", stacklevel=2)
         if results and results[-1].persisted and results[-1].step == self.finished:
             # The newest step is durable, so this rank's shared memory can go; a later --resume
             # reads the durable tier. The job directory stays: another rank may still be

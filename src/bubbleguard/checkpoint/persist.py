@@ -18,6 +18,7 @@ Call order (every rank, same order)::
                                    # has written it (the helper saves straight from the shared
                                    # memory), so the rank cannot overwrite it meanwhile: give
                                    # the memory tier three slots, or a snapshot may wait for it
+                                   # (skip_while_busy: skipped while an earlier one pins a slot)
 
     persister.raise_if_failed()    # any time: a dead helper is re-raised on the training thread
     persister.wait()               # block until every submitted persist is done (flush)
@@ -81,6 +82,15 @@ class BackgroundPersister:
         memory: this rank's memory tier (the helper reads the same directory).
         durable: where to persist: its URL and ``keep_last`` are handed to the helper, which
             writes with a process group of its own (the tier's own group is not used).
+        skip_while_busy: skip a persist submitted while an earlier one still holds its
+            snapshot, instead of queueing it. The helper only gets CPU time nothing else wants;
+            on a busy machine it can fall behind for good, and each queued persist pins one more
+            memory-tier slot, until the next ``MemoryTier.begin`` finds none to write into and
+            the training thread waits for the starved helper (seen: 15-20 s steps, two busy
+            processes beside a run with three slots and a persist every 10 steps). Skipping keeps
+            at most one slot pinned, so training never waits for a persist; the durable tier
+            falls behind instead, and the results say so. Call :meth:`wait` before a
+            :meth:`submit` that must not be skipped.
         group: the training processes' group the helpers' rendezvous address is shared on
             (collective); default: the default group, or none in a single process.
 
@@ -89,12 +99,13 @@ class BackgroundPersister:
     """
 
     def __init__(self, memory: MemoryTier, durable: DurableTier, *,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, skip_while_busy: bool = False) -> None:
         if durable.url.startswith("memory://"):
             raise ValueError(f"cannot persist to {durable.url!r}: a memory:// filesystem lives in "
                              "one process, and the persist runs in a helper process; use a local "
                              "path or a shared fsspec URL")
         self.memory = memory
+        self.skip_while_busy = skip_while_busy
         self._cond = threading.Condition()
         self._results: list[PersistResult] = []
         self._pins: list[tuple[int, contextlib.ExitStack]] = []
@@ -155,15 +166,25 @@ class BackgroundPersister:
     # ------------------------------------------------------------------ training thread
 
     def submit(self, step: int) -> None:
-        """Queue the persist of committed memory-tier step ``step`` (every rank, same steps)."""
+        """Queue the persist of committed memory-tier step ``step`` (every rank, same steps).
+
+        With ``skip_while_busy``, a persist submitted while an earlier one of this rank still
+        holds its snapshot is skipped (every rank's helper skips it; its result says why).
+        """
         self.raise_if_failed()
         stack = contextlib.ExitStack()
         error: str | None = None
-        try:
-            stack.enter_context(self.memory.hold(step))
-        except FileNotFoundError as e:
-            stack.close()
-            error = str(e)
+        with self._cond:
+            busy = [s for s, _ in self._pins]
+        if busy and self.skip_while_busy:
+            error = (f"skipped on rank {self.memory.rank}: the persist of step {busy[0]} still "
+                     "holds its snapshot (the helper runs on idle CPU time)")
+        else:
+            try:
+                stack.enter_context(self.memory.hold(step))
+            except FileNotFoundError as e:
+                stack.close()
+                error = str(e)
         with self._cond:
             if error is None:
                 self._pins.append((step, stack))

@@ -72,6 +72,11 @@ def _add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> N
                     help="durable (DCP) checkpoint every K steps; 0: only at the end")
     ck.add_argument("--keep-last", type=int, default=defaults.keep_last,
                     help="durable checkpoints to keep")
+    ck.add_argument("--persist-when-busy", choices=("skip", "wait"),
+                    default=defaults.persist_when_busy,
+                    help="a persist due while the previous one is still being written: skip it "
+                         "(training never waits) or wait for it (every due persist is written; "
+                         "a snapshot may wait)")
     ck.add_argument("--ckpt-chunk-mb", type=float, default=defaults.ckpt_chunk_mb,
                     help="snapshot chunk size in MiB (the most a copy can overrun a bubble)")
     ck.add_argument("--resume", action="store_true",
@@ -140,7 +145,8 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
                        progress=not args.no_progress, bind_cores=not args.no_bind_cores,
                        ckpt=args.ckpt, ckpt_dir=args.ckpt_dir,
                        ckpt_every=args.ckpt_every, persist_every=args.persist_every,
-                       keep_last=args.keep_last, ckpt_chunk_mb=args.ckpt_chunk_mb,
+                       keep_last=args.keep_last, persist_when_busy=args.persist_when_busy,
+                       ckpt_chunk_mb=args.ckpt_chunk_mb,
                        resume=args.resume, fault=args.fault,
                        max_restarts=args.max_restarts)
 
