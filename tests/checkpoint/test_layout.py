@@ -179,6 +179,63 @@ def test_native_copy_equals_copy_then_checksum(tensors, chunk_units) -> None:
     assert torch.equal(plain, native)
 
 
+@needs_native
+@pytest.mark.parametrize("num_bytes", [0, 1, 64, 65, 3 * 4096 + 5, (1 << 20) + 61])
+@pytest.mark.parametrize("piece_bytes", [64, 4096, 256 << 10])
+@pytest.mark.parametrize("flag_on", [False, True])
+def test_copy_in_pieces_that_yield_equals_one_pass(num_bytes: int, piece_bytes: int,
+                                                   flag_on: bool) -> None:
+    from bubbleguard.checkpoint._copysum import copy_sum64
+
+    from bubbleguard.yielding import YieldFlag
+
+    src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8)
+    one, pieces = (torch.zeros(num_bytes + 8, dtype=torch.uint8) for _ in range(2))
+    flag = YieldFlag()
+    flag.set(flag_on)
+    whole = copy_sum64(one.data_ptr(), src.data_ptr(), num_bytes)
+    assert copy_sum64(pieces.data_ptr(), src.data_ptr(), num_bytes, piece_bytes,
+                      flag.address) == whole
+    assert torch.equal(one, pieces) and torch.equal(pieces[:num_bytes], src)
+    with pytest.raises(ValueError, match="piece_bytes must be a multiple of 64"):
+        copy_sum64(pieces.data_ptr(), src.data_ptr(), num_bytes, 100, flag.address)
+
+
+@needs_native
+def test_a_thread_with_a_yield_flag_copies_chunks_identically() -> None:
+    # The bubble helper thread's copies (flag installed, set while the training thread waits)
+    # must give the bytes and checksums of the one-pass copy.
+    import threading
+
+    from bubbleguard import yielding
+
+    tensors = {"a": torch.randn(300_000), "b": torch.randn(70_001).to(torch.float16)}
+    layout = ChunkLayout.build(tensors, chunk_bytes=1 << 20)
+    sources = {k: flat_bytes(v) for k, v in tensors.items()}
+    addresses = {k: v.data_ptr() for k, v in sources.items()}
+    plain = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    want = [copy_chunk_native(layout, c, addresses, plain.data_ptr())
+            for c in range(layout.num_chunks)]
+    got: list[tuple[int, int]] = []
+    region = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+
+    def helper() -> None:
+        flag = yielding.YieldFlag()
+        flag.set(True)
+        yielding.install(flag, piece_bytes=4096)
+        assert yielding.current() == (4096, flag.address)
+        got.extend(copy_chunk_native(layout, c, addresses, region.data_ptr())
+                   for c in range(layout.num_chunks))
+
+    thread = threading.Thread(target=helper)
+    thread.start()
+    thread.join()
+    assert got == want and torch.equal(region, plain)
+    assert yielding.current() is None  # installed on the helper thread only
+    with pytest.raises(ValueError, match="piece_bytes must be a positive multiple of 64"):
+        yielding.install(yielding.YieldFlag(), piece_bytes=1000)
+
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

@@ -17,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -79,10 +80,31 @@ static uint64_t copy_sum64_impl(char *dst, const char *src, size_t n) {
     return sum;
 }
 
+/* Copy in pieces of `piece_bytes` (a multiple of 64) and, after each piece but the last, give up
+ * the CPU (sched_yield) while the int at `flag` is nonzero. The runtime sets the flag while the
+ * training thread sleeps in a receive and this copy fills its bubble: when the data lands, the
+ * training thread (woken on this core) then runs after at most one piece, instead of when the
+ * scheduler next looks (up to a tick, 4 ms on the dev VM). Once it has the core back it clears
+ * the flag, and the rest of the chunk it waits for is copied without yielding (with other busy
+ * processes on the core a yield could hand it away for a whole time slice). The sum is the
+ * same as one pass: every piece but the last is a whole number of words. */
+static uint64_t copy_sum64_pieces(char *dst, const char *src, size_t n, size_t piece_bytes,
+                                  const volatile int *flag) {
+    if (piece_bytes == 0 || flag == NULL || n <= piece_bytes) return copy_sum64_impl(dst, src, n);
+    uint64_t sum = 0;
+    size_t i = 0;
+    for (; i + piece_bytes < n; i += piece_bytes) {
+        sum += copy_sum64_impl(dst + i, src + i, piece_bytes);
+        if (*flag) sched_yield();
+    }
+    return sum + copy_sum64_impl(dst + i, src + i, n - i);
+}
+
 static PyObject *copy_sum64(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "copy_sum64(dst_address, src_address, num_bytes)");
+    if (nargs != 3 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "copy_sum64(dst_address, src_address, num_bytes"
+                                         "[, piece_bytes, yield_flag_address])");
         return NULL;
     }
     void *dst = PyLong_AsVoidPtr(args[0]);
@@ -99,17 +121,31 @@ static PyObject *copy_sum64(PyObject *module, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_ValueError, "null address");
         return NULL;
     }
+    Py_ssize_t piece_bytes = 0;
+    const volatile int *flag = NULL;
+    if (nargs == 5) {
+        piece_bytes = PyLong_AsSsize_t(args[3]);
+        if (piece_bytes == -1 && PyErr_Occurred()) return NULL;
+        if (piece_bytes < 0 || piece_bytes % 64) {
+            PyErr_SetString(PyExc_ValueError, "piece_bytes must be a multiple of 64, >= 0");
+            return NULL;
+        }
+        flag = (const volatile int *)PyLong_AsVoidPtr(args[4]);
+        if (flag == NULL && PyErr_Occurred()) return NULL;
+    }
     uint64_t sum;
     Py_BEGIN_ALLOW_THREADS
-    sum = copy_sum64_impl((char *)dst, (const char *)src, (size_t)n);
+    sum = copy_sum64_pieces((char *)dst, (const char *)src, (size_t)n, (size_t)piece_bytes, flag);
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLongLong((unsigned long long)sum);
 }
 
 static PyMethodDef methods[] = {
     {"copy_sum64", (PyCFunction)(void (*)(void))copy_sum64, METH_FASTCALL,
-     "copy_sum64(dst_address, src_address, num_bytes) -> int\n\n"
-     "Copy num_bytes from src to dst; return their sum64 checksum (see the module source)."},
+     "copy_sum64(dst_address, src_address, num_bytes[, piece_bytes, yield_flag_address])"
+     " -> int\n\n"
+     "Copy num_bytes from src to dst; return their sum64 checksum. With piece_bytes > 0, yield\n"
+     "the CPU between pieces while the C int at yield_flag_address is nonzero (see the source)."},
     {NULL, NULL, 0, NULL},
 };
 

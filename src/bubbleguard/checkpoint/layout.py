@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bubbleguard import yielding
 from bubbleguard.checkpoint.checksum import MASK64, checksum_update
 
 try:
@@ -343,9 +344,11 @@ def copy_chunk_native(
                            "use copy_chunk_checksummed")
     n = 0
     value = 0
+    pieces = yielding.current() or ()  # a bubble helper's copies yield to the training thread
     for seg in layout.segments(chunk_id):
         value += _copy_sum64(region_address + seg.region_offset,
-                             source_addresses[seg.name] + seg.tensor_offset, seg.num_bytes)
+                             source_addresses[seg.name] + seg.tensor_offset, seg.num_bytes,
+                             *pieces)
         n += seg.num_bytes
     return n, value & MASK64
 
