@@ -126,7 +126,6 @@ def test_the_helper_sees_every_slot_of_its_rank(tmp_path: Path) -> None:
     memory.cleanup()
 
 
-
 def test_a_persist_submitted_while_one_is_in_flight_is_skipped_and_the_rank_never_waits(
         tmp_path: Path) -> None:
     # With skip_while_busy (what the bubble checkpointer uses), at most one slot is pinned: a

@@ -82,6 +82,8 @@ class BackgroundPersister:
         memory: this rank's memory tier (the helper reads the same directory).
         durable: where to persist: its URL and ``keep_last`` are handed to the helper, which
             writes with a process group of its own (the tier's own group is not used).
+        group: the training processes' group the helpers' rendezvous address is shared on
+            (collective); default: the default group, or none in a single process.
         skip_while_busy: skip a persist submitted while an earlier one still holds its
             snapshot, instead of queueing it. The helper only gets CPU time nothing else wants;
             on a busy machine it can fall behind for good, and each queued persist pins one more
@@ -91,8 +93,6 @@ class BackgroundPersister:
             at most one slot pinned, so training never waits for a persist; the durable tier
             falls behind instead, and the results say so. Call :meth:`wait` before a
             :meth:`submit` that must not be skipped.
-        group: the training processes' group the helpers' rendezvous address is shared on
-            (collective); default: the default group, or none in a single process.
 
     Raises:
         ValueError: a ``memory://`` durable tier, which lives inside one process only.
@@ -175,9 +175,9 @@ class BackgroundPersister:
         stack = contextlib.ExitStack()
         error: str | None = None
         with self._cond:
-            busy = [s for s, _ in self._pins]
-        if busy and self.skip_while_busy:
-            error = (f"skipped on rank {self.memory.rank}: the persist of step {busy[0]} still "
+            in_flight = self._pins[0][0] if self._pins else None
+        if in_flight is not None and self.skip_while_busy:
+            error = (f"skipped on rank {self.memory.rank}: the persist of step {in_flight} still "
                      "holds its snapshot (the helper runs on idle CPU time)")
         else:
             try:
