@@ -41,6 +41,11 @@ step times, as ``bubbleguard train`` does):
   per step and rank, ``blocks[].thread``: the training thread's scheduler counters (time on a
   CPU, time runnable but off the CPU, minor faults, preemptions).
 
+``--modes none,bubble,bubble-snapshots`` adds an ablation: ``bubble`` without durable persists, in
+blocks of its own in every round, and reports ``bubble.persist_cost`` (bubble's mean step over the
+ablation's, pooled over rounds, with a round-paired bootstrap interval): what the persists cost,
+separated from what the snapshot copies cost, within one run.
+
 Copy bandwidth, measured in this process (1 thread, like a rank) on a stage's real state, each
 method after a pass over 256 MiB that evicts the caches, in alternating order: the snapshot copy as
 the bubble copier does it (into shared memory, with the per-chunk checksum; timed by
@@ -85,6 +90,10 @@ from bubbleguard.pipeline.stage import split
 from bubbleguard.train import TrainConfig, run_local, start_rank
 
 MODES = ("none", "sync", "background", "dcp-async", "bubble")
+SNAPSHOTS_ONLY = "bubble-snapshots"
+"""An ablation, run only when named in ``--modes``: ``bubble`` without its durable persists, in
+blocks of its own between the others, so that what the persists cost is measured in the same run
+(``persist_cost``: bubble against it, round by round)."""
 BLOCK_STEPS = 10  # one block = one persist period
 THREAD_COUNTERS = ("cpu_s", "run_delay_s", "minor_faults", "preempted")
 EVICT_BYTES = 256 << 20
@@ -169,11 +178,14 @@ def mode_checkpointers(job: Any, modes: Sequence[str], ckpt_root: str, data_stat
                        persist_every: int = BLOCK_STEPS) -> dict[str, Checkpointer]:
     """One checkpointer per mode but ``none`` (each with its own directory), all detached;
     ``persist_every=0``: snapshots only (an ablation: what the durable tier costs)."""
-    ckpts = {mode: Checkpointer(job, CheckpointConfig(mode=mode, ckpt_dir=f"{ckpt_root}/ckpt-{mode}",
-                                                      every=1, persist_every=persist_every,
-                                                      keep_last=2, shm_root=shm_root,
-                                                      chunk_bytes=chunk_bytes),
-                                data_state=data_state)
+    def config(mode: str) -> CheckpointConfig:
+        snapshots_only = mode == SNAPSHOTS_ONLY
+        return CheckpointConfig(mode="bubble" if snapshots_only else mode,
+                                ckpt_dir=f"{ckpt_root}/ckpt-{mode}", every=1,
+                                persist_every=0 if snapshots_only else persist_every,
+                                keep_last=2, shm_root=shm_root, chunk_bytes=chunk_bytes)
+
+    ckpts = {mode: Checkpointer(job, config(mode), data_state=data_state)
              for mode in modes if mode != "none"}
     job.detach_hooks()
     return ckpts
@@ -420,6 +432,15 @@ def summarize(blocks: list[dict[str, Any]], modes: Sequence[str]) -> dict[str, A
                 "of": len(mine), **{rank: sum(b["durable_step"][rank] is not None
                                               and b["durable_step"][rank] >= b["first_step"]
                                               for b in mine) for rank in ranks}}
+    if SNAPSHOTS_ONLY in modes:
+        # What the durable persists cost: bubble against itself without them, round by round.
+        pairs = [(of(r, "bubble", "step_times_s"), of(r, SNAPSHOTS_ONLY, "step_times_s"))
+                 for r in rounds]
+        with_persists = [t for m, _ in pairs for t in m]
+        without = [t for _, n in pairs for t in n]
+        out["bubble"]["persist_cost"] = {
+            "pooled_mean": statistics.fmean(with_persists) / statistics.fmean(without) - 1,
+            "ci95": list(_bootstrap_overhead(pairs)) if len(rounds) > 1 else None}
     return out
 
 
@@ -450,7 +471,7 @@ def goals(modes: dict[str, Any], bandwidth: dict[str, Any]) -> dict[str, Any]:
 
 def mode_table(modes: dict[str, Any]) -> list[str]:
     """The printed table's rows, one per mode (per-rank figures joined by '/')."""
-    lines = [f"{'mode':>10} {'mean ms':>8} {'median':>7} {'overhead':>9} {'95% CI':>17} "
+    lines = [f"{'mode':>16} {'mean ms':>8} {'median':>7} {'overhead':>9} {'95% CI':>17} "
              f"{'rounds [min, max]':>19} {'blocking ms r0/r1':>18} {'flush ms r0/r1':>15} "
              f"{'persisted r0/r1':>16}"]
     for mode, m in modes.items():
@@ -460,7 +481,7 @@ def mode_table(modes: dict[str, Any]) -> list[str]:
         done = m.get("persisted_blocks")
         persisted = ("/".join(str(v) for k, v in done.items() if k != "of") + f" of {done['of']}"
                      if done else "-")
-        lines.append(f"{mode:>10} {st['mean'] * 1e3:8.1f} {st['median'] * 1e3:7.1f} "
+        lines.append(f"{mode:>16} {st['mean'] * 1e3:8.1f} {st['median'] * 1e3:7.1f} "
                      f"{ov['pooled_mean']:+9.2%} [{ov['ci95'][0]:+6.2%}, {ov['ci95'][1]:+6.2%}] "
                      f"[{ov['min']:+7.2%}, {ov['max']:+7.2%}] {block:>18} {flush:>15} "
                      f"{persisted:>16}")
@@ -488,14 +509,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, help="measured rounds (default 20; tiny 1)")
     parser.add_argument("--out", default="benchmarks/results", help="directory for overhead.json")
     parser.add_argument("--modes", default=",".join(MODES),
-                        help="comma-separated modes to compare (none and bubble always run)")
+                        help="comma-separated modes to compare (none and bubble always run; "
+                             f"{SNAPSHOTS_ONLY}: bubble without persists, only when named)")
     parser.add_argument("--ckpt-root", help="where the modes write their checkpoints (default: a "
                                             "temporary directory under $TMPDIR)")
     parser.add_argument("--no-persist", action="store_true",
                         help="ablation: snapshots every step but no durable persists")
     args = parser.parse_args(argv)
     persist_every = 0 if args.no_persist else BLOCK_STEPS
-    modes = tuple(m for m in MODES if m in {"none", "bubble", *args.modes.split(",")})
+    asked = set(args.modes.split(","))
+    unknown = asked - {*MODES, SNAPSHOTS_ONLY}
+    if unknown:
+        parser.error(f"unknown mode(s) {', '.join(sorted(unknown))}; choose from "
+                     f"{', '.join((*MODES, SNAPSHOTS_ONLY))}")
+    modes = tuple(m for m in (*MODES, SNAPSHOTS_ONLY) if m in {"none", "bubble", *asked})
     size = bench_size(args.tiny)
     if args.rounds:
         size["rounds"] = args.rounds
@@ -513,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             plain = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
             identical = plain == losses
     summary = summarize(blocks, modes)
-    doc = {
+    doc: dict[str, Any] = {
         "benchmark": "overhead",
         "command": " ".join(["python", "benchmarks/overhead.py",
                              *(sys.argv[1:] if argv is None else argv)]),
@@ -544,6 +571,11 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"[{g['bubble_overhead_ci95'][0]:+.2%}, {g['bubble_overhead_ci95'][1]:+.2%}]; <= 1%: "
           f"{g['bubble_overhead_le_1pct']}); {vs_dcp}snapshot/plain copy "
           f"{g['snapshot_vs_plain_copy']:.0%} (>= 80%: {g['bandwidth_ge_80pct']})")
+    cost = summary["bubble"].get("persist_cost")
+    if cost is not None:
+        ci = (f" (95% CI [{cost['ci95'][0]:+.2%}, {cost['ci95'][1]:+.2%}])"
+              if cost["ci95"] else "")
+        print(f"persists: bubble over {SNAPSHOTS_ONLY} {cost['pooled_mean']:+.2%}{ci}")
     if identical is False:
         print("WARNING: the interleaved run's losses differ from a plain run's")
     print(f"written to {out / 'overhead.json'} ({doc['wall_s']:.0f} s)")

@@ -80,3 +80,44 @@ def test_overhead_benchmark_tiny(tmp_path: Path) -> None:
     assert [b["first_step"] for b in blocks] == list(range(10, 10 * len(blocks) + 1, 10))
     bw = doc["copy_bandwidth"]
     assert bw["snapshot_bytes_per_s"] > 0 and bw["plain_copy_bytes_per_s"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_overhead_benchmark_persist_ablation(tmp_path: Path) -> None:
+    """bubble-snapshots is bubble without persists, measured in the same run: its blocks write
+    nothing durable, and bubble's persist cost is reported against it."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--tiny",
+                           "--modes", "none,bubble,bubble-snapshots", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "overhead.json").read_text())
+    assert list(doc["modes"]) == ["none", "bubble", "bubble-snapshots"]
+    assert doc["losses_equal_plain_run"] is True
+    assert [b["mode"] for b in doc["blocks"] if b["round"] == 0] == [
+        "none", "bubble", "none", "bubble-snapshots"]
+    for b in doc["blocks"]:
+        newest = {"bubble": b["first_step"]}.get(b["mode"])
+        assert b["durable_step"] == {"0": newest, "1": newest}, b
+    snapshots = doc["modes"]["bubble-snapshots"]
+    assert snapshots["ckpt_bubble_s"]["0"] > 0 and snapshots["ckpt_blocking_s"]["0"] > 0
+    measured = [b for b in doc["blocks"] if b["round"] >= 0]
+
+    def mean_step(mode: str) -> float:
+        times = [t for b in measured if b["mode"] == mode for t in b["step_times_s"]]
+        return sum(times) / len(times)
+
+    cost = doc["modes"]["bubble"]["persist_cost"]
+    assert cost["pooled_mean"] == pytest.approx(mean_step("bubble") / mean_step("bubble-snapshots")
+                                                - 1)
+    assert cost["ci95"] is None  # one round: nothing to resample
+    assert "persist_cost" not in snapshots
+    assert "persists: bubble over bubble-snapshots" in proc.stdout
+
+
+def test_overhead_benchmark_rejects_unknown_mode(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--tiny",
+                           "--modes", "none,bubbel", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "unknown mode(s) bubbel" in proc.stderr and "bubble-snapshots" in proc.stderr
+    assert not (tmp_path / "overhead.json").exists()
