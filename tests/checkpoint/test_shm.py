@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -194,6 +195,55 @@ def test_commit_marker_needs_every_rank(tmp_path: Path) -> None:
     r0.cleanup()
     r1.cleanup()
     assert not shm_job_dir("j", tmp_path).exists()
+
+
+def test_commit_reads_each_record_once_and_sees_replacements(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """commit() is retried in every wait until the last rank is done: a retry that finds no
+    new record parses nothing, and a record replaced since (a newer step, or garbage) is read
+    again."""
+    from bubbleguard.checkpoint.tiers import shm
+
+    parsed: list[str] = []
+    real = shm._record_summary
+
+    def counting(path: str, rank: int):
+        parsed.append(Path(path).name)
+        return real(path, rank)
+
+    monkeypatch.setattr(shm, "_record_summary", counting)
+    model, opt, sched, state = trained_state(1, blocks=[0, 1])
+    *_, other = trained_state(1, blocks=[2, 3])
+    r0 = MemoryTier("j", 0, num_ranks=2, root=tmp_path, chunk_bytes=CHUNK)
+    r1 = MemoryTier("j", 1, num_ranks=2, root=tmp_path, chunk_bytes=CHUNK)
+    r0.write(state)
+    for _ in range(3):
+        with pytest.raises(IncompleteCheckpointError, match=r"ranks \[1\]"):
+            r0.commit(1)
+    assert parsed == ["slot0.json"]  # rank 0's record, once; rank 1 has none
+    r1.write(other)
+    r0.commit(1)
+    assert parsed == ["slot0.json", "slot0.json"] and r0.latest() == 1
+    # Step 2 on both ranks: one new record each, read once.
+    from bubbleguard.checkpoint.state import capture_state
+
+    train_step(model, opt, sched, 2)
+    r0.write(capture_state(model, opt, sched, step=2))
+    r1.write(dataclasses.replace(other, step=2))
+    parsed.clear()
+    r0.commit(2)
+    r0.commit(2)
+    assert parsed == ["slot1.json", "slot1.json"] and r0.latest() == 2
+    # Rank 1's record of step 2 replaced by garbage (a new file, as every record is written):
+    # step 2 is no longer complete there; the marker written before stays.
+    garbage = r1.rank_dir / "slot1.json.tmp"
+    garbage.write_text("{not json")
+    os.replace(garbage, r1.rank_dir / "slot1.json")
+    with pytest.raises(IncompleteCheckpointError, match=r"ranks \[1\] have no complete snapshot of"):
+        r0.commit(2)
+    assert r0.latest() == 2
+    r0.cleanup()
+    r1.cleanup()
 
 
 def test_begin_waits_for_a_held_slot(tier: MemoryTier) -> None:

@@ -370,6 +370,9 @@ class MemoryTier(Tier):
             self._load_record(i) for i in range(num_slots)
         ]
         self._pins = [0] * num_slots
+        # commit(): each record file's summary, keyed by path, valid while (inode, mtime, size)
+        # is unchanged (a record is replaced by rename, so a new one is a new inode).
+        self._summaries: dict[str, tuple[tuple[int, int, int], tuple[int, RankPart] | None]] = {}
         self._cond = threading.Condition(threading.RLock())
         self._writing_slot: int | None = None
         self._layout: ChunkLayout | None = None
@@ -609,10 +612,10 @@ class MemoryTier(Tier):
         parts = []
         lacking = []
         for r in range(self.num_ranks):
-            # Runs every step from a bubble: a summary of each record, not a validated layout
-            # (2.3 ms for two ranks of 105 tensors). Resume validates and verifies in full.
-            part = next((p for p in _rank_summaries(self.job_dir / f"rank{r}", r)
-                         if p[0] == step), None)
+            # Runs from the bubbles, tried again in each wait until the last rank is done: a
+            # summary of each record, not a validated layout (resume validates and verifies in
+            # full), parsed once per record file; a try that finds nothing new only stats them.
+            part = next((p for p in self._rank_summaries(r) if p[0] == step), None)
             if part is None:
                 lacking.append(r)
             else:
@@ -623,6 +626,30 @@ class MemoryTier(Tier):
             )
         fs, path = filesystem(str(self.job_dir))
         write_marker(fs, path, CommitMarker("memory", step, self.num_ranks, tuple(parts)))
+
+    def _rank_summaries(self, rank: int) -> list[tuple[int, RankPart]]:
+        """(step, commit-marker part) of every readable record of ``rank``, from the cache
+        where the file has not changed since it was read."""
+        out = []
+        try:
+            entries = sorted(os.scandir(self.job_dir / f"rank{rank}"), key=lambda e: e.name)
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            if not (entry.name.startswith("slot") and entry.name.endswith(".json")):
+                continue
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue  # replaced since the listing
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            cached = self._summaries.get(entry.path)
+            if cached is None or cached[0] != key:
+                cached = (key, _record_summary(entry.path, rank))
+                self._summaries[entry.path] = cached
+            if cached[1] is not None:
+                out.append(cached[1])
+        return out
 
     # ----------------------------------------------------------------- reading
 
@@ -919,20 +946,18 @@ def _digest(checksums: Sequence[int]) -> str:
     return f"{zlib.crc32(json.dumps(list(checksums)).encode()):08x}"
 
 
-def _rank_summaries(rank_dir: Path, rank: int) -> list[tuple[int, RankPart]]:
-    """(step, commit-marker part) of every readable record in ``rank_dir``; unlike
-    :func:`_rank_records`, the layouts are not rebuilt."""
-    out = []
-    for path in sorted(rank_dir.glob("slot*.json")) if rank_dir.is_dir() else []:
-        try:
-            obj = json.loads(path.read_text())
-            if obj.get("format") != RECORD_FORMAT:
-                continue
-            part = RankPart(rank, int(obj["layout"]["total_bytes"]), _digest(obj["checksums"]))
-            out.append((int(obj["step"]), part))
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
-            continue  # being replaced, or unreadable: not a complete record of this step
-    return out
+def _record_summary(path: str, rank: int) -> tuple[int, RankPart] | None:
+    """(step, commit-marker part) of the record at ``path``, None if it is not a readable
+    record; unlike :func:`_load_record_file`, the layout is not rebuilt."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+        if obj.get("format") != RECORD_FORMAT:
+            return None
+        return int(obj["step"]), RankPart(rank, int(obj["layout"]["total_bytes"]),
+                                          _digest(obj["checksums"]))
+    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # being replaced, or unreadable: not a complete record of any step
 
 
 def _rank_records(rank_dir: Path) -> list[SnapshotRecord]:
