@@ -75,7 +75,6 @@ import torch
 
 from bubbleguard.checkpoint.baselines import SyncSave
 from bubbleguard.checkpoint.checkpointer import (
-    BubbleStrategy,
     CheckpointConfig,
     Checkpointer,
     job_id_for,
@@ -240,11 +239,7 @@ def run_blocks(job: Any, ckpts: dict[str, Checkpointer],
 
 def persist_failures(ckpt: Checkpointer | None) -> list[str]:
     """Every failed durable write of ``ckpt`` so far, as "step k: why" (in submission order)."""
-    strategy = ckpt.strategy if ckpt is not None else None
-    if isinstance(strategy, BubbleStrategy):
-        results = strategy.persister.results()
-    else:
-        results = list(getattr(strategy, "results", []))
+    results = (ckpt.persist_results() if ckpt is not None else None) or []
     return [f"step {r.step}: {r.error}" for r in results if not r.persisted]
 
 

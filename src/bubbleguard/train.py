@@ -312,6 +312,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
                           "ckpt_blocking_s": job.last_stats["ckpt_blocking_s"],
                           "ckpt_bubble_s": job.last_stats["ckpt_bubble_s"],
                           "ckpt_overrun_s": job.last_stats["ckpt_overrun_s"], "restart": restart}
+                record.update(_durable_progress(ckpt))
                 if step == resumed.step + 1 and resumed.step:
                     record["resumed_from"] = {"step": resumed.step, "tier": resumed.tier}
                 if plan is not None and plan["step"] == step:
@@ -340,6 +341,21 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
 # The checkpoint plan is made from the bubbles of the first iterations, then refreshed.
 PLAN_FIRST_STEP = 5
 PLAN_EVERY = 25
+
+
+def _durable_progress(ckpt: Checkpointer) -> dict[str, Any]:
+    """For a metrics line: how far the background persists have got on this rank.
+
+    ``ckpt_durable_step``: the newest step a finished persist committed (None before the first);
+    ``ckpt_persists_missed``: persists so far that were skipped (the helper still busy) or
+    failed. Nothing for modes without background persists.
+    """
+    results = ckpt.persist_results()
+    if results is None:
+        return {}
+    done = [r.step for r in results if r.persisted]
+    return {"ckpt_durable_step": max(done, default=None),
+            "ckpt_persists_missed": sum(not r.persisted for r in results)}
 
 
 def _plan(job: PipelineJob, ckpt: Checkpointer) -> dict[str, Any] | None:

@@ -61,6 +61,12 @@ def test_two_stage_1f1b_run_writes_metrics_trace_and_bubbles_where_the_schedule_
         assert all(any(w["ts"] <= c["ts"] and c["ts"] + c["dur"] <= w["ts"] + w["dur"] + 1e-3
                        for w in waits) for c in chunks)
     assert all("ckpt_blocking_s" in r for r in lines)
+    # The durable tier's progress, per step: step 3's snapshot completes in step 4's bubbles and
+    # is then persisted in the background; step 6's at close, after the last line. None missed.
+    durable = [r["ckpt_durable_step"] for r in lines]
+    landed = durable.index(3) if 3 in durable else len(durable)
+    assert landed >= 3 and durable == [None] * landed + [3] * (len(durable) - landed), durable
+    assert [r["ckpt_persists_missed"] for r in lines] == [0] * 6
 
     # The largest predicted window of each stage is measured at about its predicted length (the
     # prediction times the schedule with this run's own stage times). Not "is also the largest
@@ -88,7 +94,9 @@ def test_replicas_and_gpipe_run(tmp_path: Path) -> None:
                "--microbatches", "2", "--batch-size", "8", "--steps", "3", "--metrics", str(metrics),
                "--no-progress", "--no-bind-cores"])
     assert rc == 0
-    assert len(metrics.read_text().splitlines()) == 3
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert not any("ckpt_durable_step" in r for r in lines)  # no checkpoints, no persists
 
 
 @pytest.mark.timeout(180)

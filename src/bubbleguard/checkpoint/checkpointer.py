@@ -42,7 +42,7 @@ from bubbleguard.checkpoint.copier import SnapshotCopier
 from bubbleguard.checkpoint.errors import IncompleteCheckpointError
 from bubbleguard.checkpoint.layout import default_chunk_bytes
 from bubbleguard.checkpoint.manifest import agree_newest_step
-from bubbleguard.checkpoint.persist import BackgroundPersister
+from bubbleguard.checkpoint.persist import BackgroundPersister, PersistResult
 from bubbleguard.checkpoint.state import (
     StageState,
     begin_capture,
@@ -353,6 +353,18 @@ class Checkpointer:
         """
         if self.strategy is not None:
             self.strategy.flush()
+
+    def persist_results(self) -> list[PersistResult] | None:
+        """This rank's finished background persists so far, in submission order (no waiting).
+
+        None where nothing is persisted in the background: ``none``, and ``sync``, whose saves
+        are durable before the step returns.
+        """
+        strategy = self.strategy
+        if isinstance(strategy, BubbleStrategy):
+            return strategy.persister.results()
+        results = getattr(strategy, "results", None)
+        return list(results) if results is not None else None
 
     def close(self) -> None:
         """Finish the snapshot in flight, persist the newest step, wait (all ranks)."""
