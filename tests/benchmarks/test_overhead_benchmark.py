@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -80,6 +81,18 @@ def test_overhead_benchmark_tiny(tmp_path: Path) -> None:
     assert [b["first_step"] for b in blocks] == list(range(10, 10 * len(blocks) + 1, 10))
     bw = doc["copy_bandwidth"]
     assert bw["snapshot_bytes_per_s"] > 0 and bw["plain_copy_bytes_per_s"] > 0
+    assert doc["goals"]["bubble_overhead_le_1pct"] == "undecided"  # one round, no interval
+
+
+def test_the_one_percent_goal_is_decided_by_the_interval() -> None:
+    spec = importlib.util.spec_from_file_location("overhead", ROOT / "benchmarks" / "overhead.py")
+    assert spec is not None and spec.loader is not None
+    overhead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overhead)
+    assert overhead.at_most(0.01, [0.002, 0.0099]) == "met"
+    assert overhead.at_most(0.01, [0.0159, 0.022]) == "not met"
+    assert overhead.at_most(0.01, [-0.005, 0.024]) == "undecided"  # a point estimate of +0.9%
+    assert overhead.at_most(0.01, None) == "undecided"
 
 
 @pytest.mark.timeout(240)
