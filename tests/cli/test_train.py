@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bubbleguard.cli.main import main
+from bubbleguard.cli.main import _persist_fit, main
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -108,3 +108,12 @@ def test_demo_console_script(tmp_path: Path) -> None:
     assert "bubbles per stage (1f1b, P=2, M=4)" in proc.stdout
     assert (out / "trace.json").exists() and (out / "bubbles.json").exists()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_the_plan_line_says_why_the_persist_fit_is_missing() -> None:
+    plan = {"persist_every_free": 4, "persist_bandwidth_bytes_per_s": 2e8}
+    assert _persist_fit(plan) == "a durable persist fits in the bubbles every 4 iterations"
+    plan = {"persist_every_free": None, "persist_bandwidth_bytes_per_s": None}
+    assert _persist_fit(plan) == "durable persist fit not known yet (no persist had finished)"
+    plan = {"persist_every_free": None, "persist_bandwidth_bytes_per_s": 2e8}
+    assert _persist_fit(plan) == "no idle time left for a durable persist"

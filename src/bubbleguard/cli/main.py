@@ -16,6 +16,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from bubbleguard.checkpoint.checkpointer import CHECKPOINT_MODES, job_id_for
 from bubbleguard.checkpoint.inspect import describe_checkpoints
@@ -160,7 +161,8 @@ def run_training(cfg: TrainConfig, run_dir: str | None) -> int:
     for out in (cfg.trace, cfg.metrics):
         if out:
             Path(out).parent.mkdir(parents=True, exist_ok=True)
-    print(f"bubbleguard: {cfg.model}, {cfg.stages} stages x {cfg.replicas} replicas, "
+    print(f"bubbleguard: {cfg.model}, {cfg.stages} stages x {cfg.replicas} "
+          f"replica{'s' if cfg.replicas != 1 else ''}, "
           f"{cfg.schedule}, {cfg.microbatches} microbatches, {cfg.steps} steps", flush=True)
     try:
         run = run_local(cfg)
@@ -179,15 +181,23 @@ def run_training(cfg: TrainConfig, run_dir: str | None) -> int:
                 print(ckpt_summary)
             for plan_file in sorted(run_path.glob("plan-rank*.json")):
                 p = json.loads(plan_file.read_text())
-                free = p["persist_every_free"]
                 print(f"  plan, stage {p['stage']} (step {p['step']}): {p['chunks_in_bubbles']} of "
                       f"{p['num_chunks']} chunks fit in the bubbles, predicted blocking "
-                      f"{p['predicted_blocking_s'] * 1e3:.2f} ms; a durable persist fits in the "
-                      f"bubbles every {free if free else '-'} iterations")
+                      f"{p['predicted_blocking_s'] * 1e3:.2f} ms; {_persist_fit(p)}")
     finally:
         if not keep:
             shutil.rmtree(run_path, ignore_errors=True)
     return 0
+
+
+def _persist_fit(plan: dict[str, Any]) -> str:
+    """How often a durable persist fits in the time the copies leave idle, or why not known."""
+    free = plan["persist_every_free"]
+    if free is not None:
+        return f"a durable persist fits in the bubbles every {free} iterations"
+    if plan["persist_bandwidth_bytes_per_s"] is None:
+        return "durable persist fit not known yet (no persist had finished)"
+    return "no idle time left for a durable persist"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
