@@ -46,6 +46,11 @@ blocks of its own in every round, and reports ``bubble.persist_cost`` (bubble's 
 ablation's, pooled over rounds, with a round-paired bootstrap interval): what the persists cost,
 separated from what the snapshot copies cost, within one run.
 
+``--busy N`` runs the training job beside N busy processes (each a Python loop that never
+sleeps, at normal priority), started after the bandwidth measurement and stopped when the job
+ends, however it ends: the cost of each mode on a machine whose cores are shared with other work,
+where nothing is idle for the helper processes and the bubbles are shorter than planned.
+
 Copy bandwidth, measured in this process (1 thread, like a rank) on a stage's real state, each
 method after a pass over 256 MiB that evicts the caches, in alternating order: the snapshot copy as
 the bubble copier does it (into shared memory, with the per-chunk checksum; timed by
@@ -56,6 +61,7 @@ preallocated buffers, and ``memcpy`` (through NumPy).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -63,10 +69,11 @@ import platform
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +264,25 @@ def newest_durable_step(ckpt: Checkpointer | None) -> int | None:
         return steps[0] if steps else None
     assert ckpt.durable is not None
     return ckpt.durable.latest()
+
+
+BUSY_LOOP = "while True: pass  # bubbleguard benchmarks/overhead.py --busy"
+"""What each ``--busy`` process runs (the comment names it in ``ps``)."""
+
+
+@contextlib.contextmanager
+def busy_processes(n: int) -> Iterator[list[int]]:
+    """``n`` processes that keep a core busy while the block runs; killed and reaped after it."""
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for _ in range(n)]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
 
 
 def run_interleaved(size: dict[str, Any], modes: Sequence[str], workdir: Path, ckpt_root: Path,
@@ -523,7 +549,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                                             "temporary directory under $TMPDIR)")
     parser.add_argument("--no-persist", action="store_true",
                         help="ablation: snapshots every step but no durable persists")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="run the job beside N busy processes (a machine shared with other "
+                             "work; the bandwidth is measured before they start)")
     args = parser.parse_args(argv)
+    if args.busy < 0:
+        parser.error(f"--busy must be >= 0, got {args.busy}")
     persist_every = 0 if args.no_persist else BLOCK_STEPS
     asked = set(args.modes.split(","))
     unknown = asked - {*MODES, SNAPSHOTS_ONLY}
@@ -539,7 +570,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bubbleguard-overhead-") as work, \
             tempfile.TemporaryDirectory(prefix="bubbleguard-overhead-ckpt-",
                                         dir=args.ckpt_root) as ckpt_root:
-        blocks, losses = run_interleaved(size, modes, Path(work), Path(ckpt_root), persist_every)
+        with busy_processes(args.busy):
+            blocks, losses = run_interleaved(size, modes, Path(work), Path(ckpt_root),
+                                             persist_every)
         identical = None
         if args.tiny:  # a plain run of the same steps: checkpointing must not change training
             metrics = Path(work) / "plain.jsonl"
@@ -556,7 +589,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "stages": 2, "threads_per_rank": 1, "schedule": "1f1b",
                    "microbatches": size["microbatches"], "batch_size": size["batch_size"],
                    "block_steps": BLOCK_STEPS, "measured_steps_per_block": BLOCK_STEPS - 1,
-                   "rounds": size["rounds"], "ckpt_every": 1, "persist_every": persist_every},
+                   "rounds": size["rounds"], "ckpt_every": 1, "persist_every": persist_every,
+                   "busy_processes": args.busy},
         "torch": torch.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
         "load_average_at_end": list(os.getloadavg()),
         "wall_s": time.perf_counter() - started,

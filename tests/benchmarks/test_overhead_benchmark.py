@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,47 @@ def test_overhead_benchmark_rejects_unknown_mode(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "unknown mode(s) bubbel" in proc.stderr and "bubble-snapshots" in proc.stderr
     assert not (tmp_path / "overhead.json").exists()
+
+
+def _running_busy_loops() -> list[str]:
+    """Pids of processes whose command line is the benchmark's ``--busy`` loop."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"overhead.py --busy" in cmdline.read_bytes():
+                found.append(cmdline.parent.name)
+        except OSError:
+            pass  # the process ended while we looked
+    return found
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs /proc")
+def test_overhead_benchmark_beside_busy_processes(tmp_path: Path) -> None:
+    """--busy N shares the cores with N busy loops for the job, and leaves none behind."""
+    assert _running_busy_loops() == []
+    log = tmp_path / "log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "overhead.py"),
+                                 "--tiny", "--modes", "none,bubble", "--busy", "1", "--out",
+                                 str(tmp_path)], stdout=out, stderr=subprocess.STDOUT)
+        seen = set()
+        while proc.poll() is None:  # the busy loop exists while the job runs
+            seen.update(_running_busy_loops())
+            time.sleep(0.2)
+    assert proc.returncode == 0, log.read_text()[-2000:]
+    assert len(seen) == 1
+    doc = json.loads((tmp_path / "overhead.json").read_text())
+    assert doc["config"]["busy_processes"] == 1
+    assert list(doc["modes"]) == ["none", "bubble"]
+    n = doc["config"]["rounds"]  # one bubble block per round without baselines
+    assert doc["modes"]["bubble"]["persisted_blocks"] == {"of": n, "0": n, "1": n}
+    assert doc["losses_equal_plain_run"] is True
+    assert _running_busy_loops() == []
+
+
+def test_overhead_benchmark_rejects_negative_busy(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--tiny",
+                           "--busy", "-1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--busy must be >= 0, got -1" in proc.stderr
