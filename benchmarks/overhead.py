@@ -481,26 +481,21 @@ def goals(modes: dict[str, Any], bandwidth: dict[str, Any]) -> dict[str, Any]:
     bubble = modes["bubble"]["overhead"]
     # One round has no interval (its "ci95" is that round's ratio twice): nothing is decided.
     interval = bubble["ci95"] if len(bubble["per_round"]) > 1 else None
+    out = {"bubble_overhead": bubble["pooled_mean"], "bubble_overhead_ci95": bubble["ci95"],
+           "bubble_overhead_le_1pct": at_most(0.01, interval),
+           "snapshot_vs_plain_copy": bandwidth["snapshot_vs_plain"],
+           "bandwidth_ge_80pct": bandwidth["snapshot_vs_plain"] >= 0.8}
     if "dcp-async" not in modes:
-        return {"bubble_overhead": bubble["pooled_mean"], "bubble_overhead_ci95": bubble["ci95"],
-                "bubble_overhead_le_1pct": at_most(0.01, interval),
-                "snapshot_vs_plain_copy": bandwidth["snapshot_vs_plain"],
-                "bandwidth_ge_80pct": bandwidth["snapshot_vs_plain"] >= 0.8}
+        return out
     dcp = modes["dcp-async"]["overhead"]
     ratio = (dcp["pooled_mean"] / bubble["pooled_mean"] if bubble["pooled_mean"] > 0
              else float("inf"))
     max_block = {m: max(modes[m]["ckpt_blocking_s"].values()) for m in ("bubble", "dcp-async")}
-    return {
-        "bubble_overhead": bubble["pooled_mean"],
-        "bubble_overhead_ci95": bubble["ci95"],
-        "bubble_overhead_le_1pct": at_most(0.01, interval),
-        "dcp_async_over_bubble_overhead": ratio,
-        "dcp_async_over_bubble_blocking": (max_block["dcp-async"] / max_block["bubble"]
-                                           if max_block["bubble"] > 0 else float("inf")),
-        "bubble_5x_below_dcp_async": ratio >= 5,
-        "snapshot_vs_plain_copy": bandwidth["snapshot_vs_plain"],
-        "bandwidth_ge_80pct": bandwidth["snapshot_vs_plain"] >= 0.8,
-    }
+    return {**out,
+            "dcp_async_over_bubble_overhead": ratio,
+            "dcp_async_over_bubble_blocking": (max_block["dcp-async"] / max_block["bubble"]
+                                               if max_block["bubble"] > 0 else float("inf")),
+            "bubble_5x_below_dcp_async": ratio >= 5}
 
 
 def mode_table(modes: dict[str, Any]) -> list[str]:

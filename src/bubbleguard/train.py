@@ -295,6 +295,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
             bar.write(f"resumed from step {resumed.step} ({resumed.tier} tier)")
     loss = None
     plan: dict[str, Any] | None = None
+    durable = _DurableProgress()
     try:
         for step in range(resumed.step + 1, cfg.steps + 1):
             inputs, targets = ranked.next_batch(cfg)
@@ -312,7 +313,7 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any]:
                           "ckpt_blocking_s": job.last_stats["ckpt_blocking_s"],
                           "ckpt_bubble_s": job.last_stats["ckpt_bubble_s"],
                           "ckpt_overrun_s": job.last_stats["ckpt_overrun_s"], "restart": restart}
-                record.update(_durable_progress(ckpt))
+                record.update(durable.fields(ckpt))
                 if step == resumed.step + 1 and resumed.step:
                     record["resumed_from"] = {"step": resumed.step, "tier": resumed.tier}
                 if plan is not None and plan["step"] == step:
@@ -343,19 +344,31 @@ PLAN_FIRST_STEP = 5
 PLAN_EVERY = 25
 
 
-def _durable_progress(ckpt: Checkpointer) -> dict[str, Any]:
-    """For a metrics line: how far the background persists have got on this rank.
+class _DurableProgress:
+    """For the metrics lines: how far the background persists have got on this rank.
 
     ``ckpt_durable_step``: the newest step a finished persist committed (None before the first);
     ``ckpt_persists_missed``: persists so far that were skipped (the helper still busy) or
-    failed. Nothing for modes without background persists.
+    failed. Nothing for modes without background persists. Reads only the results that are new
+    since the last line, so a long run does not rescan every persist at every step.
     """
-    results = ckpt.persist_results()
-    if results is None:
-        return {}
-    done = [r.step for r in results if r.persisted]
-    return {"ckpt_durable_step": max(done, default=None),
-            "ckpt_persists_missed": sum(not r.persisted for r in results)}
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.newest: int | None = None
+        self.missed = 0
+
+    def fields(self, ckpt: Checkpointer) -> dict[str, Any]:
+        new = ckpt.persist_results(self.seen)
+        if new is None:
+            return {}
+        self.seen += len(new)
+        for r in new:
+            if r.persisted:
+                self.newest = r.step if self.newest is None else max(self.newest, r.step)
+            else:
+                self.missed += 1
+        return {"ckpt_durable_step": self.newest, "ckpt_persists_missed": self.missed}
 
 
 def _plan(job: PipelineJob, ckpt: Checkpointer) -> dict[str, Any] | None:

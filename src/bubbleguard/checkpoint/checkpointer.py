@@ -354,17 +354,18 @@ class Checkpointer:
         if self.strategy is not None:
             self.strategy.flush()
 
-    def persist_results(self) -> list[PersistResult] | None:
-        """This rank's finished background persists so far, in submission order (no waiting).
+    def persist_results(self, start: int = 0) -> list[PersistResult] | None:
+        """This rank's finished background persists so far, in submission order, from the
+        ``start``-th on (no waiting; a caller that polls passes how many it has seen).
 
         None where nothing is persisted in the background: ``none``, and ``sync``, whose saves
         are durable before the step returns.
         """
         strategy = self.strategy
         if isinstance(strategy, BubbleStrategy):
-            return strategy.persister.results()
+            return strategy.persister.results(start)
         results = getattr(strategy, "results", None)
-        return list(results) if results is not None else None
+        return results[start:] if results is not None else None
 
     def close(self) -> None:
         """Finish the snapshot in flight, persist the newest step, wait (all ranks)."""

@@ -191,10 +191,10 @@ class BackgroundPersister:
             self._num_submitted += 1
         self._send({"kind": "persist", "step": step, "error": error})
 
-    def results(self) -> list[PersistResult]:
-        """Outcomes so far, in submission order."""
+    def results(self, start: int = 0) -> list[PersistResult]:
+        """Outcomes so far, in submission order, from the ``start``-th on."""
         with self._cond:
-            return list(self._results)
+            return self._results[start:]
 
     def raise_if_failed(self) -> None:
         """Re-raise, on the caller's thread, a failure of the helper process."""
