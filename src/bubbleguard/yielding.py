@@ -12,15 +12,28 @@ has the core back and waits for the chunk in flight instead) and installs it on 
 with :func:`install`; the native copy (``checkpoint/layout.py``) reads :func:`current` on whatever
 thread runs it. Threads without an installed flag copy in one pass, as before. Only the C copy
 yields: the NumPy fallback holds the GIL and is left alone.
+
+Yielding is not always enough: the scheduler (EEVDF) gives the core to a woken thread at a yield
+only if that thread is owed CPU time, so a training thread that ran a lot may still queue behind
+the copy. Where the process may both lower and restore a thread's priority
+(:func:`idle_priority_is_reversible`: root, ``CAP_SYS_NICE`` or ``RLIMIT_NICE`` >= 20), the
+runtime therefore also puts the helper at ``SCHED_IDLE`` for the length of each wait
+(:func:`set_idle`), which any waking normal thread preempts, and back to normal priority before
+it waits for the chunk in flight, which so never starves behind other busy processes. Elsewhere
+(an unprivileged user cannot leave ``SCHED_IDLE``) the helper stays at normal priority and only
+yields.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 
 import numpy as np
 
-__all__ = ["PIECE_BYTES", "YieldFlag", "current", "install"]
+__all__ = ["PIECE_BYTES", "YieldFlag", "current", "idle_priority_is_reversible", "install",
+           "set_idle"]
 
 PIECE_BYTES = 256 << 10
 """Bytes copied between two yields: ~13 us at the ~20 GB/s snapshot copy ``overhead.py`` measured
@@ -52,3 +65,39 @@ def current() -> tuple[int, int] | None:
     """(piece bytes, flag address) installed on the calling thread, or None."""
     args = getattr(_local, "args", None)
     return None if args is None else (args[0], args[1])
+
+
+@functools.cache
+def idle_priority_is_reversible() -> bool:
+    """Whether a thread of this process can go to ``SCHED_IDLE`` and back to ``SCHED_OTHER``.
+
+    Asked once per process, of a throwaway thread that tries it: Linux lets an unprivileged
+    thread into ``SCHED_IDLE`` but out again only with ``CAP_SYS_NICE`` or ``RLIMIT_NICE`` >= 20,
+    and a container may forbid either call; trying covers every case, and a thread left stuck at
+    ``SCHED_IDLE`` by a failed try ends right there.
+    """
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    outcome: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            outcome.append(True)
+        except OSError:
+            outcome.append(False)
+
+    thread = threading.Thread(target=probe, name="bubbleguard-sched-probe", daemon=True)
+    thread.start()
+    thread.join()
+    return outcome == [True]
+
+
+def set_idle(native_id: int, idle: bool) -> None:
+    """Put the thread ``native_id`` at ``SCHED_IDLE`` (``idle``) or back at ``SCHED_OTHER``.
+
+    Only call where :func:`idle_priority_is_reversible` said so.
+    """
+    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+    os.sched_setscheduler(native_id, policy, os.sched_param(0))

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bubbleguard import yielding
 from bubbleguard.models import build_model, lm_loss
 from bubbleguard.pipeline.runtime import PipelineJob
 from bubbleguard.pipeline.schedules import ActionKind
@@ -36,6 +37,11 @@ class CountingHooks:
         self.threads: dict[str, set[str]] = {}
         self.overlaps = 0
         self._inside = False
+        # Scheduling policies of the helper thread: as run_one sees its own thread, and as the
+        # training thread sees it at before_step (after the runtime paused it).
+        self.helper_tid: int | None = None
+        self.policy_in_run_one: set[int] = set()
+        self.policy_at_before_step: set[int] = set()
 
     @contextlib.contextmanager
     def _call(self, name: str) -> Iterator[None]:
@@ -55,6 +61,8 @@ class CountingHooks:
 
     def run_one(self) -> bool:
         with self._call("run_one"):
+            self.helper_tid = threading.get_native_id()
+            self.policy_in_run_one.add(os.sched_getscheduler(0))
             time.sleep(0.001)  # a unit takes a while: a call overlapping it would show
             if self.left == 0:
                 self.calls.append("run_one idle")  # asked once more after the last unit
@@ -66,6 +74,8 @@ class CountingHooks:
     def before_step(self) -> None:
         with self._call("before_step"):
             self.calls.append("before_step")
+            if self.helper_tid is not None:
+                self.policy_at_before_step.add(os.sched_getscheduler(self.helper_tid))
             self.finished.append(self.left)  # the units the bubbles did not hold
             self.left = 0
 
@@ -119,6 +129,9 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
                                 "threads": {k: sorted(v) for k, v in hooks.threads.items()}
                                 if hooks else {},
                                 "overlaps": hooks.overlaps if hooks else 0,
+                                "policies": (sorted(hooks.policy_in_run_one),
+                                             sorted(hooks.policy_at_before_step))
+                                if hooks else ([], []),
                                 "finished": list(hooks.finished) if hooks else [],
                                 "calls_after_detach": list(hooks.calls) if hooks else [],
                                 "checkpoint_action_after_detach":
@@ -210,6 +223,26 @@ def test_bubble_work_runs_on_a_helper_thread_never_alongside_another_hook(
     # Some unit did run inside a wait (rank 0 waits a whole stage-1 forward and backward for
     # its first gradient): a runtime that left every unit to before_step would fail here.
     assert any("run_one" in results[rank]["3"]["threads"] for rank in (0, 1))
+
+
+@pytest.mark.timeout(120)
+def test_bubble_work_runs_at_idle_priority_and_the_helper_is_back_to_normal_after_a_wait(
+        results: list[dict]) -> None:
+    # While the training thread waits, its helper copies at SCHED_IDLE, so the training thread
+    # (and gloo's thread that wakes it) take the core back the moment they wake; once paused,
+    # the helper is at normal priority again, so finishing a chunk is never starved. Where the
+    # process may not leave SCHED_IDLE (an unprivileged user), it stays at normal priority.
+    # (Hooks with 3 short units; each run_one notes the policy before its unit, so a pause
+    # that lands during the unit does not show here.)
+    in_waits = os.SCHED_IDLE if yielding.idle_priority_is_reversible() else os.SCHED_OTHER
+    seen = 0
+    for rank in (0, 1):
+        during, after = results[rank]["3"]["policies"]
+        if during:
+            seen += 1
+            assert during == [in_waits], (rank, during)
+            assert after == [os.SCHED_OTHER], (rank, after)
+    assert seen >= 1  # some unit ran inside a wait (see the test above)
 
 
 class FailingHooks(CountingHooks):

@@ -106,8 +106,10 @@ class _BubbleWorker:
     training thread waits (:mod:`bubbleguard.yielding`), so that the training thread, woken
     when the data lands, need not queue behind a copy until the scheduler's next tick;
     :meth:`pause` turns the yielding off, and the rest of the chunk runs straight through.
-    The thread keeps normal priority: at ``SCHED_IDLE`` (tried) it was starved by other busy
-    processes while the training thread waited for it (mean step +42% beside two of them).
+    Where the process may restore a thread's priority, the thread also runs at ``SCHED_IDLE``
+    from :meth:`resume` to :meth:`pause`, which puts it back to normal before waiting for the
+    chunk in flight: a thread left at ``SCHED_IDLE`` was starved by other busy processes while
+    the training thread waited for it (mean step +42% beside two of them, measured Dec 5).
 
     On a GPU the work is the snapshot's device copies, which run on the copy engine, and their
     checksums, on a CPU core the training thread (which only launches kernels) leaves free: the
@@ -128,6 +130,9 @@ class _BubbleWorker:
         self._yield = yielding.YieldFlag()  # set while the training thread waits on a receive
         self._thread = threading.Thread(target=self._loop, name="bubbleguard-bubble", daemon=True)
         self._thread.start()
+        # On the CPU, the helper copies at SCHED_IDLE during each wait where that can be undone.
+        self._idle_in_waits = device.type == "cpu" and yielding.idle_priority_is_reversible()
+        self._native_id = self._thread.native_id
 
     def _loop(self) -> None:
         if self._device.type == "cuda":
@@ -164,6 +169,8 @@ class _BubbleWorker:
             self._hooks = hooks
             self._want = self._busy = True
             self._yield.set(True)
+            if self._idle_in_waits:
+                yielding.set_idle(self._native_id, True)
             self._cond.notify_all()
 
     def pause(self) -> list[tuple[float, float]]:
@@ -172,6 +179,8 @@ class _BubbleWorker:
         Raises:
             BaseException: whatever ``run_one`` raised.
         """
+        if self._idle_in_waits:  # before waiting for the chunk, which must not starve
+            yielding.set_idle(self._native_id, False)
         self._yield.set(False)  # the training thread has the core: finish the chunk straight
         with self._cond:
             self._want = False
