@@ -67,3 +67,18 @@ def test_an_unprivileged_user_is_told_no_and_keeps_normal_priority() -> None:
                           sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_a_yield_flag_holds_its_mode_while_set_and_zero_otherwise() -> None:
+    import ctypes
+
+    for mode in (yielding.YIELD, yielding.ENTER_KERNEL):
+        flag = yielding.YieldFlag(mode)
+        cell = ctypes.c_int.from_address(flag.address)  # what the C copy reads
+        assert cell.value == 0
+        flag.set(True)
+        assert cell.value == mode
+        flag.set(False)
+        assert cell.value == 0
+    with pytest.raises(ValueError, match="mode must be YIELD or ENTER_KERNEL"):
+        yielding.YieldFlag(3)

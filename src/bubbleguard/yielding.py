@@ -17,11 +17,16 @@ Yielding is not always enough: the scheduler (EEVDF) gives the core to a woken t
 only if that thread is owed CPU time, so a training thread that ran a lot may still queue behind
 the copy. Where the process may both lower and restore a thread's priority
 (:func:`idle_priority_is_reversible`: root, ``CAP_SYS_NICE`` or ``RLIMIT_NICE`` >= 20), the
-runtime therefore also puts the helper at ``SCHED_IDLE`` for the length of each wait
-(:func:`set_idle`), which any waking normal thread preempts, and back to normal priority before
-it waits for the chunk in flight, which so never starves behind other busy processes. Elsewhere
-(an unprivileged user cannot leave ``SCHED_IDLE``) the helper stays at normal priority and only
-yields.
+runtime therefore sets the flag to :data:`ENTER_KERNEL` instead of :data:`YIELD`: the native
+copy then lowers its thread to ``SCHED_IDLE`` for its length (with the GIL released: a thread
+holding the GIL at idle priority can be starved while the woken training thread waits for the
+GIL, seen as a 1.4 s stall beside a starting persist helper), which any waking normal thread
+preempts, and between pieces only enters the kernel, where a lazily applied preemption takes
+effect (a yield would give the core to any other idle task, a persist helper included, for a
+slice per piece). When the data lands the training thread clears the flag and puts the thread
+back to normal priority (:func:`set_idle`) before it waits for the chunk in flight, which so
+never starves behind other busy processes. Elsewhere (an unprivileged user cannot leave
+``SCHED_IDLE``) the copy stays at normal priority and yields.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ import threading
 
 import numpy as np
 
-__all__ = ["PIECE_BYTES", "YieldFlag", "current", "idle_priority_is_reversible", "install",
-           "set_idle"]
+__all__ = ["ENTER_KERNEL", "PIECE_BYTES", "YIELD", "YieldFlag", "current",
+           "idle_priority_is_reversible", "install", "set_idle"]
 
 PIECE_BYTES = 256 << 10
 """Bytes copied between two yields: ~13 us at the ~20 GB/s snapshot copy ``overhead.py`` measured
@@ -42,15 +47,29 @@ on the dev VM (computed from that bandwidth, not timed per piece)."""
 _local = threading.local()
 
 
-class YieldFlag:
-    """A C ``int`` the copy reads between pieces: nonzero means "yield the core"."""
+YIELD = 1
+"""Flag value: between pieces, give up the core (``sched_yield``): for a normal-priority copy."""
 
-    def __init__(self) -> None:
+ENTER_KERNEL = 2
+"""Flag value: copy at ``SCHED_IDLE`` and between pieces only enter the kernel (a cheap system
+call), where a pending preemption by the woken training thread takes effect (this kernel
+preempts lazily: at the current thread's next return from the kernel, or at the next tick). Only
+where :func:`idle_priority_is_reversible`, since the runtime restores the priority."""
+
+
+class YieldFlag:
+    """A C ``int`` the copy reads between pieces: 0 nothing, :data:`YIELD` or
+    :data:`ENTER_KERNEL` while set (``mode``)."""
+
+    def __init__(self, mode: int = YIELD) -> None:
+        if mode not in (YIELD, ENTER_KERNEL):
+            raise ValueError(f"mode must be YIELD or ENTER_KERNEL, got {mode}")
+        self.mode = mode
         self._cell = np.zeros(1, dtype=np.intc)
         self.address: int = self._cell.ctypes.data
 
     def set(self, on: bool) -> None:
-        self._cell[0] = 1 if on else 0
+        self._cell[0] = self.mode if on else 0
 
 
 def install(flag: YieldFlag | None, piece_bytes: int = PIECE_BYTES) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import sysconfig
+import time
 
 import numpy as np
 import pytest
@@ -183,15 +186,18 @@ def test_native_copy_equals_copy_then_checksum(tensors, chunk_units) -> None:
 @pytest.mark.parametrize("num_bytes", [0, 1, 64, 65, 3 * 4096 + 5, (1 << 20) + 61])
 @pytest.mark.parametrize("piece_bytes", [64, 4096, 256 << 10])
 @pytest.mark.parametrize("flag_on", [False, True])
+@pytest.mark.parametrize("mode", ["YIELD", "ENTER_KERNEL"])
 def test_copy_in_pieces_that_yield_equals_one_pass(num_bytes: int, piece_bytes: int,
-                                                   flag_on: bool) -> None:
+                                                   flag_on: bool, mode: str) -> None:
     from bubbleguard.checkpoint._copysum import copy_sum64
 
-    from bubbleguard.yielding import YieldFlag
+    from bubbleguard import yielding
 
+    if mode == "ENTER_KERNEL" and not yielding.idle_priority_is_reversible():
+        pytest.skip("this process may not restore a thread's priority")
     src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8)
     one, pieces = (torch.zeros(num_bytes + 8, dtype=torch.uint8) for _ in range(2))
-    flag = YieldFlag()
+    flag = yielding.YieldFlag(getattr(yielding, mode))
     flag.set(flag_on)
     whole = copy_sum64(one.data_ptr(), src.data_ptr(), num_bytes)
     assert copy_sum64(pieces.data_ptr(), src.data_ptr(), num_bytes, piece_bytes,
@@ -199,6 +205,50 @@ def test_copy_in_pieces_that_yield_equals_one_pass(num_bytes: int, piece_bytes: 
     assert torch.equal(one, pieces) and torch.equal(pieces[:num_bytes], src)
     with pytest.raises(ValueError, match="piece_bytes must be a multiple of 64"):
         copy_sum64(pieces.data_ptr(), src.data_ptr(), num_bytes, 100, flag.address)
+
+
+@needs_native
+def test_an_enter_kernel_copy_runs_at_idle_priority_only_while_the_flag_is_set() -> None:
+    # ENTER_KERNEL: the native copy lowers its own thread to SCHED_IDLE (GIL released) and is
+    # back at normal priority when it returns; with the flag clear it never lowers it.
+    import threading
+
+    from bubbleguard.checkpoint._copysum import copy_sum64
+
+    from bubbleguard import yielding
+
+    if not yielding.idle_priority_is_reversible():
+        pytest.skip("this process may not restore a thread's priority")
+    num_bytes = 256 << 20  # tens of ms: long enough to be seen mid-copy
+    src = torch.ones(num_bytes, dtype=torch.uint8)
+    dst = torch.zeros(num_bytes, dtype=torch.uint8)
+    for flag_on in (True, False):
+        flag = yielding.YieldFlag(yielding.ENTER_KERNEL)
+        flag.set(flag_on)
+        done = threading.Event()
+        after: list[int] = []
+
+        def copier(flag: yielding.YieldFlag = flag, done: threading.Event = done,
+                   after: list[int] = after) -> None:
+            copy_sum64(dst.data_ptr(), src.data_ptr(), num_bytes, 4096, flag.address)
+            after.append(os.sched_getscheduler(0))
+            done.set()
+
+        thread = threading.Thread(target=copier)
+        thread.start()
+        assert thread.native_id is not None
+        policies = set()
+        while not done.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                policies.add(os.sched_getscheduler(thread.native_id))
+            time.sleep(0.0002)
+        thread.join()
+        assert after == [os.SCHED_OTHER]
+        if flag_on:
+            assert os.SCHED_IDLE in policies, policies
+        else:
+            assert policies <= {os.SCHED_OTHER}, policies
+    assert torch.equal(dst, src)
 
 
 @needs_native

@@ -20,6 +20,7 @@
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -80,24 +81,58 @@ static uint64_t copy_sum64_impl(char *dst, const char *src, size_t n) {
     return sum;
 }
 
-/* Copy in pieces of `piece_bytes` (a multiple of 64) and, after each piece but the last, give up
- * the CPU (sched_yield) while the int at `flag` is nonzero. The runtime sets the flag while the
- * training thread sleeps in a receive and this copy fills its bubble: when the data lands, the
- * training thread (woken on this core) then runs after at most one piece, instead of when the
- * scheduler next looks (up to a tick, 4 ms on the dev VM). Once it has the core back it clears
- * the flag, and the rest of the chunk it waits for is copied without yielding (with other busy
- * processes on the core a yield could hand it away for a whole time slice). The sum is the
- * same as one pass: every piece but the last is a whole number of words. */
+/* The calling thread's scheduling policy (Linux: pid 0 is the calling thread). */
+static void set_policy(int policy) {
+    struct sched_param param;
+    memset(&param, 0, sizeof param);
+    (void)sched_setscheduler(0, policy, &param);
+}
+
+/* Copy in pieces of `piece_bytes` (a multiple of 64) and, after each piece but the last, act on
+ * the int at `flag`, which the runtime sets while the training thread sleeps in a receive and
+ * this copy fills its bubble:
+ *   1 (YIELD): give up the CPU (sched_yield), so that the training thread, woken on this core
+ *     when the data lands, runs after at most one piece instead of when the scheduler next
+ *     looks (up to a tick, 4 ms on the dev VM);
+ *   2 (ENTER_KERNEL; only where the process may restore a thread's priority): copy at
+ *     SCHED_IDLE, which any waking normal thread preempts, and between pieces only enter the
+ *     kernel (getppid): this kernel applies a preemption lazily, at the current thread's next
+ *     return from the kernel or at the next tick, and a sched_yield would hand the core to any
+ *     other runnable idle task (a persist helper) for a whole time slice per piece. The thread
+ *     is at SCHED_IDLE only here, with the GIL released: a thread that held the GIL at idle
+ *     priority could be starved by other work while the woken training thread waits for the
+ *     GIL (seen: a 1.4 s stall beside a starting persist helper). The runtime restores normal
+ *     priority when it clears the flag (and then waits for this chunk), so the copy re-checks
+ *     the flag after lowering its priority: a clear that came in between is not undone.
+ *   0: nothing. Once the training thread has the core back it clears the flag, and the rest of
+ * the chunk it waits for is copied straight through. The sum is the same as one pass: every
+ * piece but the last is a whole number of words. */
 static uint64_t copy_sum64_pieces(char *dst, const char *src, size_t n, size_t piece_bytes,
                                   const volatile int *flag) {
     if (piece_bytes == 0 || flag == NULL || n <= piece_bytes) return copy_sum64_impl(dst, src, n);
+    int idle = 0;
+    if (*flag == 2) {
+        set_policy(SCHED_IDLE);
+        idle = 1;
+        if (*flag != 2) {  /* paused meanwhile: its restore may have come first */
+            set_policy(SCHED_OTHER);
+            idle = 0;
+        }
+    }
     uint64_t sum = 0;
     size_t i = 0;
     for (; i + piece_bytes < n; i += piece_bytes) {
         sum += copy_sum64_impl(dst + i, src + i, piece_bytes);
-        if (*flag) sched_yield();
+        int mode = *flag;
+        if (mode == 1) {
+            sched_yield();
+        } else if (mode == 2) {
+            (void)getppid();
+        }
     }
-    return sum + copy_sum64_impl(dst + i, src + i, n - i);
+    sum += copy_sum64_impl(dst + i, src + i, n - i);
+    if (idle) set_policy(SCHED_OTHER);
+    return sum;
 }
 
 static PyObject *copy_sum64(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -144,8 +179,9 @@ static PyMethodDef methods[] = {
     {"copy_sum64", (PyCFunction)(void (*)(void))copy_sum64, METH_FASTCALL,
      "copy_sum64(dst_address, src_address, num_bytes[, piece_bytes, yield_flag_address])"
      " -> int\n\n"
-     "Copy num_bytes from src to dst; return their sum64 checksum. With piece_bytes > 0, yield\n"
-     "the CPU between pieces while the C int at yield_flag_address is nonzero (see the source)."},
+     "Copy num_bytes from src to dst; return their sum64 checksum. With piece_bytes > 0, between\n"
+     "pieces yield the CPU while the C int at yield_flag_address is 1, enter the kernel while\n"
+     "it is 2 (see the source)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -106,10 +106,12 @@ class _BubbleWorker:
     training thread waits (:mod:`bubbleguard.yielding`), so that the training thread, woken
     when the data lands, need not queue behind a copy until the scheduler's next tick;
     :meth:`pause` turns the yielding off, and the rest of the chunk runs straight through.
-    Where the process may restore a thread's priority, the thread also runs at ``SCHED_IDLE``
-    from :meth:`resume` to :meth:`pause`, which puts it back to normal before waiting for the
-    chunk in flight: a thread left at ``SCHED_IDLE`` was starved by other busy processes while
-    the training thread waited for it (mean step +42% beside two of them, measured Dec 5).
+    Where the process may restore a thread's priority, the native copies instead run at
+    ``SCHED_IDLE`` while the training thread waits (the thread's Python code, which holds the
+    GIL, never does) and only enter the kernel between pieces (see :mod:`bubbleguard.yielding`);
+    :meth:`pause` puts the thread back to normal before waiting for the chunk in flight: a
+    thread left at ``SCHED_IDLE`` was starved by other busy processes while the training thread
+    waited for it (mean step +42% beside two of them, measured Dec 5).
 
     On a GPU the work is the snapshot's device copies, which run on the copy engine, and their
     checksums, on a CPU core the training thread (which only launches kernels) leaves free: the
@@ -127,11 +129,13 @@ class _BubbleWorker:
         self._closed = False
         self._spans: list[tuple[float, float]] = []
         self._error: BaseException | None = None
-        self._yield = yielding.YieldFlag()  # set while the training thread waits on a receive
-        self._thread = threading.Thread(target=self._loop, name="bubbleguard-bubble", daemon=True)
-        self._thread.start()
         # On the CPU, the helper copies at SCHED_IDLE during each wait where that can be undone.
         self._idle_in_waits = device.type == "cpu" and yielding.idle_priority_is_reversible()
+        # Set while the training thread waits on a receive.
+        self._yield = yielding.YieldFlag(yielding.ENTER_KERNEL if self._idle_in_waits
+                                         else yielding.YIELD)
+        self._thread = threading.Thread(target=self._loop, name="bubbleguard-bubble", daemon=True)
+        self._thread.start()
         self._native_id = self._thread.native_id
 
     def _loop(self) -> None:
@@ -169,8 +173,6 @@ class _BubbleWorker:
             self._hooks = hooks
             self._want = self._busy = True
             self._yield.set(True)
-            if self._idle_in_waits:
-                yielding.set_idle(self._native_id, True)
             self._cond.notify_all()
 
     def pause(self) -> list[tuple[float, float]]:
@@ -179,9 +181,9 @@ class _BubbleWorker:
         Raises:
             BaseException: whatever ``run_one`` raised.
         """
-        if self._idle_in_waits:  # before waiting for the chunk, which must not starve
-            yielding.set_idle(self._native_id, False)
         self._yield.set(False)  # the training thread has the core: finish the chunk straight
+        if self._idle_in_waits:  # and at normal priority: it must not starve while we wait
+            yielding.set_idle(self._native_id, False)
         with self._cond:
             self._want = False
             self._cond.notify_all()  # ends a device poll's wait at once
