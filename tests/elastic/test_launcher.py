@@ -1,0 +1,76 @@
+"""The launcher names the rank that caused a failure, not only the first one torchrun noticed."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bubbleguard.elastic.launcher import LaunchError, RankError, describe_failure, launch_local
+
+PEER_GONE = ("RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4242. "
+             "This is typically caused by a remote worker crashing.")
+
+
+def _slow_to_exit(hold_s: float) -> None:
+    dist.destroy_process_group()  # rank 0 sees its peer go away now...
+    time.sleep(hold_s)  # ...while this process is still alive, so torchrun notices rank 0 first
+
+
+def _rank_one_fails_and_exits_slowly(hold_s: float) -> int:
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        atexit.register(_slow_to_exit, hold_s)
+        raise ValueError("checkpoint of step 2 does not match: 24 missing tensor(s) ['blocks.4.x']")
+    dist.recv(torch.zeros(1), src=1)  # fails when rank 1's connection closes
+    return 0
+
+
+@pytest.mark.timeout(120)
+def test_the_root_cause_is_named_first_although_its_rank_exits_last() -> None:
+    with pytest.raises(LaunchError) as info:
+        launch_local(_rank_one_fails_and_exits_slowly, (3.0,), 2)
+    # torchrun reports only the first failed process it notices: rank 0, whose process ended
+    # while rank 1's was still in its exit. Rank 1's own error is still named, and first.
+    cause = info.value.__cause__
+    assert sorted(cause.failures) == [0], cause.failures  # type: ignore[union-attr]
+    message = str(info.value)
+    assert message.startswith("training failed: rank 1: ValueError: checkpoint of step 2 does "
+                              "not match: 24 missing tensor(s) ['blocks.4.x']; rank 0: "
+                              "RuntimeError: "), message
+    assert message.endswith("(a consequence: its peer went away)"), message
+
+
+def test_errors_other_than_a_lost_peer_come_first_oldest_first() -> None:
+    recorded = {0: RankError(0, 10.0, PEER_GONE),
+                2: RankError(2, 12.0, "OSError: [Errno 28] No space left on device"),
+                3: RankError(3, 11.0, "StateMismatchError: 2 missing tensor(s)")}
+    agent = {1: RankError(1, 13.0, "Signal 9 (SIGKILL) received by PID 77"),
+             0: RankError(0, 9.0, "To enable traceback see: https://pytorch.org")}
+    assert describe_failure(recorded, agent) == (
+        "training failed: rank 3: StateMismatchError: 2 missing tensor(s); "
+        "rank 2: OSError: [Errno 28] No space left on device; "
+        "rank 1: Signal 9 (SIGKILL) received by PID 77; "
+        f"rank 0: {PEER_GONE} (a consequence: its peer went away)")
+
+
+def test_only_lost_peers_says_that_a_peer_may_have_been_killed() -> None:
+    # A rank killed by SIGKILL writes nothing; if torchrun noticed its peer first, the peer's
+    # broken connection is all there is, and the message says what it suggests.
+    assert describe_failure({0: RankError(0, 1.0, PEER_GONE)}, {}) == (
+        f"training failed: rank 0: {PEER_GONE}; no rank recorded an error of its own: a peer "
+        "may have been killed (by a signal, or by the out-of-memory killer)")
+
+
+def test_a_rank_that_fails_alone_is_reported_with_its_error_text() -> None:
+    with pytest.raises(LaunchError, match=r"^training failed: rank 0: KeyError: 'no such step'$"):
+        launch_local(_raise_on_rank_zero, (), 1)
+
+
+def _raise_on_rank_zero() -> None:
+    if os.environ["RANK"] == "0":
+        raise KeyError("no such step")
