@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -152,4 +153,49 @@ def test_a_persist_submitted_while_one_is_in_flight_is_skipped_and_the_rank_neve
     assert_same_tensors(dict(DurableTier(tmp_path / "d").read(1).tensors),
                         {k: v + 1 if v.is_floating_point() else v
                          for k, v in state.tensors.items()})
+    memory.cleanup()
+
+
+def _proc_state_and_cpu(pid: int) -> tuple[str, int]:
+    """(state letter, utime + stime in ticks) of ``pid`` from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[11]) + int(fields[12])
+
+
+def _wait_for_state(pid: int, want: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _proc_state_and_cpu(pid)[0] != want:
+        assert time.monotonic() < deadline, f"helper {pid} never reached state {want}"
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_the_helper_is_stopped_between_persists_and_continued_for_each(tmp_path: Path) -> None:
+    # An idle helper would keep its gloo thread waking every 10 ms on the rank's core: it is
+    # stopped (state T, no CPU time) once ready and after each persist, and every persist
+    # submitted later is still written.
+    from bubbleguard.checkpoint.persist import BackgroundPersister
+    from bubbleguard.checkpoint.state import StageState
+    from tests.checkpoint.ckpt_testlib import trained_state
+
+    *_, state = trained_state(1)
+    memory = MemoryTier("p", 0, root=tmp_path, chunk_bytes=1024, num_slots=3)
+    persister = BackgroundPersister(memory, DurableTier(tmp_path / "d", keep_last=3))
+    pid = persister._proc.pid
+    _wait_for_state(pid, "T", 60)  # ready, nothing submitted yet
+    for step in (1, 2, 3):
+        memory.write(StageState(step=step, tensors={k: v + step if v.is_floating_point() else v
+                                                    for k, v in state.tensors.items()},
+                                metadata=dict(state.metadata)))
+        persister.submit(step)
+        assert [(r.step, r.persisted) for r in persister.wait(timeout_s=60)][-1] == (step, True)
+        _wait_for_state(pid, "T", 10)
+        cpu = _proc_state_and_cpu(pid)[1]
+        time.sleep(0.3)
+        assert _proc_state_and_cpu(pid) == ("T", cpu)  # stopped: not a tick of CPU meanwhile
+    results = persister.close(timeout_s=60)  # continues the stopped helper to stop it
+    assert [(r.step, r.persisted) for r in results] == [(1, True), (2, True), (3, True)]
+    assert persister._proc.returncode == 0
+    assert [i.step for i in DurableTier(tmp_path / "d").checkpoints() if i.committed] == [1, 2, 3]
     memory.cleanup()
