@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -199,3 +200,59 @@ def test_the_helper_is_stopped_between_persists_and_continued_for_each(tmp_path:
     assert persister._proc.returncode == 0
     assert [i.step for i in DurableTier(tmp_path / "d").checkpoints() if i.committed] == [1, 2, 3]
     memory.cleanup()
+
+
+_ORPHAN_JOB = """
+import sys, time
+from pathlib import Path
+from bubbleguard.checkpoint.persist import BackgroundPersister
+from bubbleguard.checkpoint.tiers.durable import DurableTier
+from bubbleguard.checkpoint.tiers.shm import MemoryTier
+from tests.checkpoint.ckpt_testlib import trained_state
+
+tmp = Path(sys.argv[1])
+*_, state = trained_state(1)
+memory = MemoryTier("orphan", 0, root=tmp, chunk_bytes=1024)
+memory.write(state)
+persister = BackgroundPersister(memory, DurableTier(tmp / "d"))
+pid = persister._proc.pid
+while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+    time.sleep(0.01)
+(tmp / "helper_stopped").write_text(str(pid))
+while not (tmp / "go").exists():  # the shell that started this job has exited meanwhile
+    time.sleep(0.01)
+persister.submit(1)
+print([(r.step, r.persisted) for r in persister.close(timeout_s=60)], flush=True)
+memory.cleanup()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_stopped_helper_does_not_get_the_job_hung_up_when_its_shell_exits(
+        tmp_path: Path) -> None:
+    # A job put in the background by a shell with job control (its own process group), the
+    # shell then exiting: the job's group is orphaned. Had the stopped helper been in that
+    # group, the kernel would send SIGHUP to the group and end the job (seen in a benchmark
+    # run); the helper has a session of its own, so the job goes on and persists.
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_ORPHAN_JOB)
+    out = tmp_path / "out.txt"
+    repo = Path(__file__).resolve().parents[2]
+    shell = subprocess.Popen(
+        ["bash", "-c", f'set -m; "{sys.executable}" "{script}" "{tmp_path}" > "{out}" 2>&1 & '
+                       f'while [ ! -e "{tmp_path}/helper_stopped" ] && kill -0 $!; do sleep 0.05; '
+                       'done; exit 0'],
+        cwd=repo, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)})
+    assert shell.wait(timeout=90) == 0  # the job's group is now orphaned, its helper stopped
+    assert (tmp_path / "helper_stopped").exists(), out.read_text()
+    (tmp_path / "go").touch()
+    deadline = time.monotonic() + 60
+    while "[(1, True)]" not in (out.read_text() if out.exists() else ""):
+        assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
+        time.sleep(0.05)

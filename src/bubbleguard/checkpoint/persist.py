@@ -34,7 +34,10 @@ lives, and on the ranks' cores that thread's wake-ups delay the training threads
 its helper once every submitted persist is done and continues it (``SIGCONT``) before each
 message, under one lock, so a stop never lands after the continue of a newer message. A helper
 is only stopped after it reported its last persist done, when it has left every collective
-(gloo's collectives return once their sends are in the kernel's socket buffers).
+(gloo's collectives return once their sends are in the kernel's socket buffers). It runs in a
+session of its own: the kernel sends SIGHUP to a process group that is orphaned while one of
+its members is stopped (seen: a benchmark started in the background by a shell that then
+exited lost its helper, and would have lost the ranks).
 """
 
 from __future__ import annotations
@@ -149,7 +152,11 @@ class BackgroundPersister:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "bubbleguard.checkpoint.persist_helper", json.dumps(config),
              str(child_end.fileno())],
-            pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL, env=env)
+            pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL, env=env,
+            # A session of its own: a stopped process in the ranks' process group would make
+            # the kernel send SIGHUP to the whole group (the ranks included) when that group is
+            # orphaned, e.g. when the shell that started the job in the background exits.
+            start_new_session=True)
         child_end.close()
         self._conn = Connection(parent_end.detach())
         self._reader = threading.Thread(target=self._read_loop, name="bubbleguard-persist-reader",
