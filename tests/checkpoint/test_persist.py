@@ -256,3 +256,29 @@ def test_a_stopped_helper_does_not_get_the_job_hung_up_when_its_shell_exits(
     while "[(1, True)]" not in (out.read_text() if out.exists() else ""):
         assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
         time.sleep(0.05)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not Path("/proc/self/maps").exists(),
+                    reason="Linux scheduling and /proc")
+def test_the_helper_is_at_idle_priority_before_it_loads_torch(tmp_path: Path) -> None:
+    # Its start-up (importing torch) is seconds of CPU on the rank's core: it must already run
+    # at SCHED_IDLE then. The first time the helper is seen at SCHED_IDLE (policy 5, field 41 of
+    # /proc/PID/stat), libtorch must not be mapped yet.
+    from bubbleguard.checkpoint.persist import BackgroundPersister
+
+    memory = MemoryTier("p", 0, root=tmp_path, chunk_bytes=1024)
+    persister = BackgroundPersister(memory, DurableTier(tmp_path / "d"))
+    pid = persister._proc.pid
+    deadline = time.monotonic() + 60
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            policy = int(f.read().rsplit(")", 1)[1].split()[38])
+        if policy == os.SCHED_IDLE:
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+            break
+        assert time.monotonic() < deadline, "the helper never reached SCHED_IDLE"
+        time.sleep(0.001)
+    assert "libtorch" not in maps
+    assert persister.close(timeout_s=60) == []
+    memory.cleanup()

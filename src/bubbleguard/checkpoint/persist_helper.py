@@ -1,7 +1,8 @@
 """The persist helper process: maps committed snapshots in shared memory, writes them with DCP.
 
 Started by :class:`bubbleguard.checkpoint.persist.BackgroundPersister`, one per training rank, as
-``python -m bubbleguard.checkpoint.persist_helper CONFIG_JSON FD``; it talks to its rank over the
+``python -c <persist._HELPER_MAIN> CONFIG_JSON FD`` (at ``SCHED_IDLE`` before this module's
+imports); it talks to its rank over the
 socket ``FD`` in JSON messages (one per ``send_bytes``):
 
 * from the rank: ``{"kind": "persist", "step": k, "error": null}`` (persist step k; with an
