@@ -27,7 +27,7 @@ def _may_leave_idle() -> bool:
 
 
 @linux_sched
-def test_the_probe_agrees_with_the_kernel_rule_and_set_idle_round_trips() -> None:
+def test_the_probe_agrees_with_the_kernel_rule_and_priority_is_restored() -> None:
     assert yielding.idle_priority_is_reversible() is _may_leave_idle()
     if not yielding.idle_priority_is_reversible():
         pytest.skip("this process may not leave SCHED_IDLE (covered by the user test below)")
@@ -42,9 +42,9 @@ def test_the_probe_agrees_with_the_kernel_rule_and_set_idle_round_trips() -> Non
     t = threading.Thread(target=thread_body)
     t.start()
     assert t.native_id is not None
-    yielding.set_idle(t.native_id, True)
+    os.sched_setscheduler(t.native_id, os.SCHED_IDLE, os.sched_param(0))  # as the copy does
     assert os.sched_getscheduler(t.native_id) == os.SCHED_IDLE
-    yielding.set_idle(t.native_id, False)
+    yielding.restore_normal_priority(t.native_id)
     go.set()
     done.wait(10)
     t.join()

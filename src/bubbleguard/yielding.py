@@ -24,7 +24,7 @@ GIL, seen as a 1.4 s stall beside a starting persist helper), which any waking n
 preempts, and between pieces only enters the kernel, where a lazily applied preemption takes
 effect (a yield would give the core to any other idle task, a persist helper included, for a
 slice per piece). When the data lands the training thread clears the flag and puts the thread
-back to normal priority (:func:`set_idle`) before it waits for the chunk in flight, which so
+back to normal priority (:func:`restore_normal_priority`) before it waits for the chunk in flight, which so
 never starves behind other busy processes. Elsewhere (an unprivileged user cannot leave
 ``SCHED_IDLE``) the copy stays at normal priority and yields.
 """
@@ -38,7 +38,7 @@ import threading
 import numpy as np
 
 __all__ = ["ENTER_KERNEL", "PIECE_BYTES", "YIELD", "YieldFlag", "current",
-           "idle_priority_is_reversible", "install", "set_idle"]
+           "idle_priority_is_reversible", "install", "restore_normal_priority"]
 
 PIECE_BYTES = 256 << 10
 """Bytes copied between two yields: ~13 us at the ~20 GB/s snapshot copy ``overhead.py`` measured
@@ -113,10 +113,9 @@ def idle_priority_is_reversible() -> bool:
     return outcome == [True]
 
 
-def set_idle(native_id: int, idle: bool) -> None:
-    """Put the thread ``native_id`` at ``SCHED_IDLE`` (``idle``) or back at ``SCHED_OTHER``.
+def restore_normal_priority(native_id: int) -> None:
+    """Put the thread ``native_id`` back at ``SCHED_OTHER`` (the native copy lowers itself).
 
     Only call where :func:`idle_priority_is_reversible` said so.
     """
-    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
-    os.sched_setscheduler(native_id, policy, os.sched_param(0))
+    os.sched_setscheduler(native_id, os.SCHED_OTHER, os.sched_param(0))

@@ -183,7 +183,7 @@ class _BubbleWorker:
         """
         self._yield.set(False)  # the training thread has the core: finish the chunk straight
         if self._idle_in_waits:  # and at normal priority: it must not starve while we wait
-            yielding.set_idle(self._native_id, False)
+            yielding.restore_normal_priority(self._native_id)
         with self._cond:
             self._want = False
             self._cond.notify_all()  # ends a device poll's wait at once
