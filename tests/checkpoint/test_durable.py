@@ -115,6 +115,29 @@ def test_retention_keeps_the_newest_and_removes_stale_partials(tmp_path: Path) -
     assert [(i.step, i.committed) for i in tier.checkpoints()] == [(3, True), (4, True)]
 
 
+@pytest.mark.parametrize("keep_last,while_writing,after", [
+    (2, [(2, True), (3, False)], [(2, True), (3, True)]),
+    (3, [(1, True), (2, True), (3, False)], [(1, True), (2, True), (3, True)]),
+    (1, [(2, True), (3, False)], [(3, True)]),
+])
+def test_retention_makes_room_before_a_write_but_keeps_the_newest(
+        tmp_path: Path, keep_last: int, while_writing: list[tuple[int, bool]],
+        after: list[tuple[int, bool]]) -> None:
+    # The oldest checkpoints go just before the write (their freed pages are reused by it);
+    # the newest committed one stays until the new one commits, also with keep_last=1.
+    model, opt, sched = make_training()
+    tier = DurableTier(tmp_path, keep_last=keep_last)
+    for step in (1, 2):
+        train_step(model, opt, sched, step)
+        tier.save(capture_state(model, opt, sched, step=step))
+    train_step(model, opt, sched, 3)
+    tier.write(capture_state(model, opt, sched, step=3))
+    assert [(i.step, i.committed) for i in tier.checkpoints()] == while_writing
+    assert tier.latest() == 2
+    tier.commit(3)
+    assert [(i.step, i.committed) for i in tier.checkpoints()] == after
+
+
 def test_listing_while_retention_deletes(tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # A rank or `inspect` lists the checkpoints while the persist helper's retention deletes

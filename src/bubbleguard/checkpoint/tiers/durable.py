@@ -28,7 +28,17 @@ Decisions on bad input: a missing root is created (with parents) on the first wr
 is a file raises NotADirectoryError; an unwritable root raises PermissionError and a full disk
 OSError(ENOSPC), both naming the directory and the previous checkpoint, which stays in place (the
 half-written step directory is removed). Retention never deletes the newest committed checkpoint:
-old ones go only after a newer commit.
+it goes only after a newer commit.
+
+Retention makes room *before* a write: the checkpoints beyond the newest ``keep_last - 1`` (and
+older half-written ones) are deleted just before step k is written, so that the new files take
+the page-cache pages the deleted ones just gave back. On a VM that hands free memory back to its
+host (virtio free page reporting, seconds after it is freed), pages freed at the previous
+persist are the host's again, and writing into them faults on the host: on the dev VM a 44 MB
+file written 4 s after another was deleted took 28-125 ms of kernel time (0.35-1.6 GB/s),
+against 13-17 ms right after the delete (a scratch script, 5 tries each); kernel time that a
+persist helper spends on the ranks' cores, where kernel code is not preempted. With
+``keep_last=1`` the only committed checkpoint stays until the new one commits, as always.
 """
 
 from __future__ import annotations
@@ -156,6 +166,8 @@ class DurableTier(Tier):
         """
         if self._is_committed(state.step):
             return
+        if self.rank == 0:
+            self._make_room(state.step)
         step_dir = self.step_dir(state.step)
         try:
             self.fs.makedirs(step_dir, exist_ok=True)
@@ -253,6 +265,19 @@ class DurableTier(Tier):
         doomed |= {i.step for i in infos if not i.committed and i.step < newest}
         for step in sorted(doomed):
             self._discard(step)
+
+    def _make_room(self, step: int) -> None:
+        """Before writing ``step``: delete what retention will delete once it commits.
+
+        Committed checkpoints older than ``step`` beyond the newest ``keep_last - 1`` (at least
+        the newest stays), and half-written ones older than ``step`` (see the module docstring).
+        """
+        infos = [i for i in self.checkpoints() if i.step < step]
+        committed = [i.step for i in infos if i.committed]
+        doomed = set(committed[: -max(self.keep_last - 1, 1)])
+        doomed |= {i.step for i in infos if not i.committed}
+        for old in sorted(doomed):
+            self._discard(old)
 
     def _discard(self, step: int) -> None:
         path = self.step_dir(step)
