@@ -234,7 +234,7 @@ def test_a_stopped_helper_does_not_get_the_job_hung_up_when_its_shell_exits(
     # A job put in the background by a shell with job control (its own process group), the
     # shell then exiting: the job's group is orphaned. Had the stopped helper been in that
     # group, the kernel would send SIGHUP to the group and end the job (seen in a benchmark
-    # run); the helper has a session of its own, so the job goes on and persists.
+    # run); the helper has a process group of its own, so the job goes on and persists.
     import subprocess
     import sys
 
@@ -282,3 +282,29 @@ def test_the_helper_is_at_idle_priority_before_it_loads_torch(tmp_path: Path) ->
     assert "libtorch" not in maps
     assert persister.close(timeout_s=60) == []
     memory.cleanup()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_the_helper_has_its_own_process_group_but_the_ranks_session(tmp_path: Path) -> None:
+    # Its own group keeps a stopped helper from getting the ranks' group hung up; the rank's
+    # session keeps it in the rank's autogroup, where SCHED_IDLE ranks it below the training
+    # threads (in a session of its own it competed with them as an equal group).
+    from bubbleguard.checkpoint.persist import BackgroundPersister
+
+    memory = MemoryTier("g", 0, root=tmp_path, chunk_bytes=1024)
+    persister = BackgroundPersister(memory, DurableTier(tmp_path / "d"))
+    pid = persister._proc.pid
+    try:
+        persister.wait()  # ready: past its first statements
+        deadline = time.monotonic() + 60
+        while os.getpgid(pid) != pid:
+            assert time.monotonic() < deadline, "the helper never left the rank's group"
+            time.sleep(0.01)
+        assert os.getsid(pid) == os.getsid(0)
+        autogroup = Path(f"/proc/{pid}/autogroup")
+        if autogroup.exists():  # kernels with CONFIG_SCHED_AUTOGROUP
+            own = Path("/proc/self/autogroup").read_text().split()[0]
+            assert autogroup.read_text().split()[0] == own
+    finally:
+        assert persister.close(timeout_s=60) == []
+        memory.cleanup()

@@ -35,9 +35,14 @@ its helper once every submitted persist is done and continues it (``SIGCONT``) b
 message, under one lock, so a stop never lands after the continue of a newer message. A helper
 is only stopped after it reported its last persist done, when it has left every collective
 (gloo's collectives return once their sends are in the kernel's socket buffers). It runs in a
-session of its own: the kernel sends SIGHUP to a process group that is orphaned while one of
-its members is stopped (seen: a benchmark started in the background by a shell that then
-exited lost its helper, and would have lost the ranks).
+process group of its own: the kernel sends SIGHUP to a process group that is orphaned while one
+of its members is stopped (seen: a benchmark started in the background by a shell that then
+exited lost its helper, and would have lost the ranks). Not in a session of its own: with
+autogroup scheduling (``kernel.sched_autogroup_enabled``, on by default in many distributions)
+every session is a task group of its own, which competes with the ranks' group as an equal, so
+``SCHED_IDLE`` then only ranks the helper inside its own group: a helper in its own session
+took up to half of the ranks' cores, in 4-12 ms slices (``perf sched``: ~5 s of waiting for
+the training threads during its start-up, 150-380 ms per persist).
 """
 
 from __future__ import annotations
@@ -65,6 +70,10 @@ _CAN_STOP = hasattr(signal, "SIGSTOP") and hasattr(signal, "SIGCONT")
 
 _HELPER_MAIN = """\
 import os, sys
+try:  # a process group of its own, in the rank's session (see the module docstring)
+    os.setpgid(0, 0)
+except (AttributeError, OSError):
+    pass
 try:  # before any import of torch: the imports alone are ~2 s of CPU on the ranks' cores
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 except (AttributeError, OSError):
@@ -72,9 +81,9 @@ except (AttributeError, OSError):
 from bubbleguard.checkpoint.persist_helper import main
 sys.exit(main(sys.argv[1:]))
 """
-"""The helper's command (``python -c``): idle priority first, then the helper's own imports
-(measured with ``-m``: for ~2 s after the first persist was due, each training thread lost
-~4 ms of every ~8 ms to the helper importing torch at normal priority)."""
+"""The helper's command (``python -c``): its own process group and idle priority first, then
+the helper's own imports (measured with ``-m``: for ~2 s after the first persist was due, each
+training thread lost ~4 ms of every ~8 ms to the helper importing torch at normal priority)."""
 
 HELPER_TIMEOUT_S = 600.0
 """How long a helper waits for its peers (rendezvous, DCP collectives) before it gives up."""
@@ -164,11 +173,11 @@ class BackgroundPersister:
             p for p in (package_root, env.get("PYTHONPATH")) if p)
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _HELPER_MAIN, json.dumps(config), str(child_end.fileno())],
-            pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL, env=env,
-            # A session of its own: a stopped process in the ranks' process group would make
-            # the kernel send SIGHUP to the whole group (the ranks included) when that group is
-            # orphaned, e.g. when the shell that started the job in the background exits.
-            start_new_session=True)
+            # It moves to a process group of its own first thing (_HELPER_MAIN): a stopped
+            # process in the ranks' group would make the kernel send SIGHUP to the whole group
+            # (the ranks included) when that group is orphaned, e.g. when the shell that
+            # started the job in the background exits. Its session stays the rank's.
+            pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL, env=env)
         child_end.close()
         self._conn = Connection(parent_end.detach())
         self._reader = threading.Thread(target=self._read_loop, name="bubbleguard-persist-reader",
