@@ -295,7 +295,6 @@ def test_the_helper_has_its_own_process_group_but_the_ranks_session(tmp_path: Pa
     persister = BackgroundPersister(memory, DurableTier(tmp_path / "d"))
     pid = persister._proc.pid
     try:
-        persister.wait()  # ready: past its first statements
         deadline = time.monotonic() + 60
         while os.getpgid(pid) != pid:
             assert time.monotonic() < deadline, "the helper never left the rank's group"

@@ -256,26 +256,23 @@ class DurableTier(Tier):
         write_marker(self.fs, step_dir, CommitMarker("durable", step, self.num_ranks, tuple(parts)))
 
     def _retain(self) -> None:
-        infos = self.checkpoints()
-        committed = [i.step for i in infos if i.committed]
-        if not committed:
-            return
-        newest = committed[-1]
-        doomed = set(committed[: -self.keep_last])
-        doomed |= {i.step for i in infos if not i.committed and i.step < newest}
-        for step in sorted(doomed):
-            self._discard(step)
+        self._prune(keep=self.keep_last)
 
     def _make_room(self, step: int) -> None:
-        """Before writing ``step``: delete what retention will delete once it commits.
+        """Before writing ``step``: delete what retention will delete once it commits (see the
+        module docstring); at least the newest committed checkpoint stays."""
+        self._prune(keep=max(self.keep_last - 1, 1), before=step)
 
-        Committed checkpoints older than ``step`` beyond the newest ``keep_last - 1`` (at least
-        the newest stays), and half-written ones older than ``step`` (see the module docstring).
-        """
-        infos = [i for i in self.checkpoints() if i.step < step]
+    def _prune(self, keep: int, before: int | None = None) -> None:
+        """Delete the steps older than ``before`` (default: up to the newest committed one)
+        but the newest ``keep`` committed ones."""
+        infos = self.checkpoints()
+        if before is None:
+            newest = [i.step for i in infos if i.committed][-1:]
+            before = newest[0] + 1 if newest else 0
+        infos = [i for i in infos if i.step < before]
         committed = [i.step for i in infos if i.committed]
-        doomed = set(committed[: -max(self.keep_last - 1, 1)])
-        doomed |= {i.step for i in infos if not i.committed}
+        doomed = set(committed[:-keep]) | {i.step for i in infos if not i.committed}
         for old in sorted(doomed):
             self._discard(old)
 
