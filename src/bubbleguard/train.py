@@ -380,12 +380,16 @@ def _plan(job: PipelineJob, ckpt: Checkpointer) -> dict[str, Any] | None:
     chunk_sizes, copy_bw, persist_bw = profile
     plan = plan_from_timeline(job.timeline.events, job.schedule, job.stage.stage_index,
                               chunk_sizes, copy_bw, persist_bandwidth_bytes_per_s=persist_bw)
+    persisted = [r for r in ckpt.persist_results() or [] if r.persisted]
     return {"step": job.step_count, "stage": job.stage.stage_index,
             "num_chunks": len(chunk_sizes),
             "chunks_in_bubbles": len(chunk_sizes) - len(plan.blocking_chunk_ids),
             "predicted_blocking_s": plan.blocking_s,
             "copy_bandwidth_bytes_per_s": copy_bw,
             "persist_bandwidth_bytes_per_s": persist_bw,
+            "persist_cpu_s": persisted[-1].cpu_s if persisted else None,
+            "persist_elapsed_s": persisted[-1].duration_s if persisted else None,
+            "leftover_idle_s": plan.leftover_idle_s,
             "persist_every_free": plan.persist_every_free}
 
 

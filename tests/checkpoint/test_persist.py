@@ -41,7 +41,7 @@ def test_background_persist_of_two_stages(tmp_path: Path) -> None:
 
 
 def test_single_process_persist_and_missing_step(tmp_path: Path) -> None:
-    from bubbleguard.checkpoint.persist import BackgroundPersister
+    from bubbleguard.checkpoint.persist import BackgroundPersister, cpu_bandwidth
     from tests.checkpoint.ckpt_testlib import trained_state
 
     *_, state = trained_state(1)
@@ -53,6 +53,11 @@ def test_single_process_persist_and_missing_step(tmp_path: Path) -> None:
     results = persister.close(timeout_s=30)
     assert [(r.step, r.persisted) for r in results] == [(1, True), (5, False)]
     assert "no complete snapshot of step 5" in (results[1].error or "")
+    # The helper's CPU time, where it wrote: the planner prices a persist by it, not by the
+    # seconds it took (the helper runs only in idle CPU time).
+    assert results[0].cpu_s > 0 and results[1].cpu_s == 0
+    assert cpu_bandwidth(results) == results[0].num_bytes / results[0].cpu_s
+    assert cpu_bandwidth(results[1:]) is None
     assert DurableTier(tmp_path / "d").latest() == 1
     memory.cleanup()
 

@@ -113,6 +113,14 @@ def test_demo_console_script(tmp_path: Path) -> None:
 def test_the_plan_line_says_why_the_persist_fit_is_missing() -> None:
     plan = {"persist_every_free": 4, "persist_bandwidth_bytes_per_s": 2e8}
     assert _persist_fit(plan) == "a durable persist fits in the bubbles every 4 iterations"
+    plan = {"persist_every_free": 2, "persist_bandwidth_bytes_per_s": 6e8, "persist_cpu_s": 0.072,
+            "leftover_idle_s": 0.0703, "persist_elapsed_s": 0.871}
+    assert _persist_fit(plan) == (
+        "a durable persist fits in the bubbles every 2 iterations (it takes 72 ms of CPU time, "
+        "against 70 ms of idle time per iteration left by the copies; the last one was "
+        "committed 0.87 s after it started)")
+    assert _persist_fit({**plan, "persist_every_free": 1}).startswith(
+        "a durable persist fits in the bubbles every iteration (it takes 72 ms")
     plan = {"persist_every_free": None, "persist_bandwidth_bytes_per_s": None}
     assert _persist_fit(plan) == "durable persist fit not known yet (no persist had finished)"
     plan = {"persist_every_free": None, "persist_bandwidth_bytes_per_s": 2e8}

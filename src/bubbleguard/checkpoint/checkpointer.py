@@ -42,7 +42,7 @@ from bubbleguard.checkpoint.copier import SnapshotCopier
 from bubbleguard.checkpoint.errors import IncompleteCheckpointError
 from bubbleguard.checkpoint.layout import default_chunk_bytes
 from bubbleguard.checkpoint.manifest import agree_newest_step
-from bubbleguard.checkpoint.persist import BackgroundPersister, PersistResult
+from bubbleguard.checkpoint.persist import BackgroundPersister, PersistResult, cpu_bandwidth
 from bubbleguard.checkpoint.state import (
     StageState,
     begin_capture,
@@ -279,7 +279,8 @@ class Checkpointer:
         """What a planner needs, once measured: chunk sizes, copy and persist bandwidth.
 
         None before the first snapshot completed, or in modes other than ``bubble``. The
-        persist bandwidth (bytes/s of the last successful durable save) is None until one ran.
+        persist bandwidth is per second of the helper's CPU time (:func:`cpu_bandwidth`; None
+        until a persist wrote something).
         """
         strategy = self.strategy
         if not isinstance(strategy, BubbleStrategy) or not strategy.chunk_sizes:
@@ -287,9 +288,7 @@ class Checkpointer:
         copy_bw = strategy.copier.bandwidth_bytes_per_s
         if copy_bw is None:
             return None
-        done = [r for r in strategy.persister.results() if r.persisted and r.duration_s > 0]
-        persist_bw = done[-1].num_bytes / done[-1].duration_s if done else None
-        return strategy.chunk_sizes, copy_bw, persist_bw
+        return strategy.chunk_sizes, copy_bw, cpu_bandwidth(strategy.persister.results())
 
     # ------------------------------------------------------------- resume / close
 

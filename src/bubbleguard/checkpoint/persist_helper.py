@@ -93,8 +93,9 @@ def _persist(memory: MemoryTier, durable: DurableTier, step: int,
     rank's core). The rank keeps the slot pinned until this helper says ``released``, after the
     save (``main``), so it cannot be overwritten meanwhile.
     """
+    cpu_start = time.process_time()
     result: dict[str, Any] = {"step": step, "persisted": False, "error": error,
-                              "num_bytes": 0, "duration_s": 0.0}
+                              "num_bytes": 0, "duration_s": 0.0, "cpu_s": 0.0}
     with contextlib.ExitStack() as mapping:
         state: StageState | None = None
         if error is None:
@@ -114,7 +115,8 @@ def _persist(memory: MemoryTier, durable: DurableTier, step: int,
             result["error"] = str(e)
             return result
         result.update(persisted=True, num_bytes=state.num_bytes,
-                      duration_s=time.perf_counter() - start)
+                      duration_s=time.perf_counter() - start,
+                      cpu_s=time.process_time() - cpu_start)
         return result
 
 

@@ -10,7 +10,8 @@ Chunks are taken in id order; each goes into the earliest window that still has 
 it (first fit). Chunks no window can hold are copied just before ``optimizer.step()``; that is the
 blocking time, ``unassigned bytes / bandwidth``. The idle time left over after the copies is what a
 durable persist may use; ``persist_every_free`` is the smallest number of iterations whose
-left-over idle time covers one persist of all bytes.
+left-over idle time covers one persist of all bytes, at the persist's bandwidth per second of
+CPU time (the persist runs in idle CPU time: its CPU time is what it takes from the bubbles).
 
 No process group, no clock, no files: plain data in, plain data out.
 """
@@ -103,7 +104,8 @@ def plan_checkpoint(
         chunk_bytes: size of every chunk, indexed by chunk id.
         copy_bandwidth_bytes_per_s: measured snapshot copy bandwidth, > 0.
         safety_margin: fraction of every window left unused, in [0, 1).
-        persist_bandwidth_bytes_per_s: measured durable write bandwidth, > 0, or None.
+        persist_bandwidth_bytes_per_s: bytes a durable persist writes per second of the CPU
+            time it takes (measured), > 0, or None.
 
     Raises:
         ValueError: naming the bad argument.

@@ -194,7 +194,14 @@ def _persist_fit(plan: dict[str, Any]) -> str:
     """How often a durable persist fits in the time the copies leave idle, or why not known."""
     free = plan["persist_every_free"]
     if free is not None:
-        return f"a durable persist fits in the bubbles every {free} iterations"
+        fit = ("a durable persist fits in the bubbles every "
+               + (f"{free} iterations" if free > 1 else "iteration"))
+        if plan.get("persist_cpu_s") is None:
+            return fit
+        return (f"{fit} (it takes {plan['persist_cpu_s'] * 1e3:.0f} ms of CPU time, against "
+                f"{plan['leftover_idle_s'] * 1e3:.0f} ms of idle time per iteration left by the "
+                f"copies; the last one was committed {plan['persist_elapsed_s']:.2f} s after it "
+                "started)")
     if plan["persist_bandwidth_bytes_per_s"] is None:
         return "durable persist fit not known yet (no persist had finished)"
     return "no idle time left for a durable persist"
