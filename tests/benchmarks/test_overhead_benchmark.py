@@ -39,6 +39,18 @@ def test_overhead_benchmark_tiny(tmp_path: Path) -> None:
         assert ov["min"] <= ov["median_of_rounds"] <= ov["max"]
         assert ov["ci95"][0] <= ov["pooled_mean"] <= ov["ci95"][1]
         assert sorted(m["ckpt_blocking_s"]) == ["0", "1"]
+    # Where each mode's extra time sits in its block: per measured step, over none's.
+    for mode, m in doc["modes"].items():
+        if mode == "none":
+            assert "excess_by_position" not in m
+            continue
+        excess = m["excess_by_position"]
+        keys = ["step_s"] + ([f"{k}_{r}" for r in ("0", "1") for k in ("cpu_s", "run_delay_s")]
+                             if os.path.exists("/proc/thread-self/schedstat") else [])
+        assert sorted(excess) == sorted(keys)
+        assert all(len(v) == cfg["measured_steps_per_block"] for v in excess.values())
+        pooled = m["step_time_s"]["mean"] - doc["modes"]["none"]["step_time_s"]["mean"]
+        assert sum(excess["step_s"]) / len(excess["step_s"]) == pytest.approx(pooled, abs=1e-9)
     assert doc["modes"]["none"]["overhead"]["per_round"] == [0.0] * cfg["rounds"]
     assert doc["modes"]["none"]["ckpt_blocking_s"] == {"0": 0.0, "1": 0.0}
     # Only bubble works inside the waits; a chunk can outlast a wait, never the work itself.
