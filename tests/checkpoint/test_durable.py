@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import subprocess
 from pathlib import Path
 
@@ -191,6 +192,30 @@ def test_a_half_deleted_checkpoint_reads_as_incomplete(tmp_path: Path,
     assert tier.latest() == 2
     tier.save(capture_state(model, opt, sched, step=3))  # the next retention removes it
     assert [i.step for i in tier.checkpoints()] == [2, 3]
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names fds through /proc")
+def test_the_commit_syncs_dcp_metadata_before_writing_the_marker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # DCP syncs .metadata before flushing the buffered stream it pickled it into: a pickle
+    # under the 8 KiB buffer (this one-block model's, 17 tensors) is still in the buffer at
+    # that sync (seen: the file was 0 bytes long then), so it was not on disk when the marker
+    # said the checkpoint was complete. The commit syncs it first.
+    *_, state = trained_state(1, blocks=[0])
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync_and_record(fd: int) -> None:
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_and_record)
+    DurableTier(tmp_path).save(state)
+    monkeypatch.undo()
+    assert (tmp_path / "step-00000001" / ".metadata").stat().st_size < 8192
+    marker_tmp = [i for i, name in enumerate(synced) if name.startswith(f".{MARKER_NAME}.")]
+    assert len(marker_tmp) == 1
+    assert ".metadata" in synced[:marker_tmp[0]]
 
 
 def test_different_model_is_named_on_restore(tmp_path: Path) -> None:

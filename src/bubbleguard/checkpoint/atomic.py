@@ -15,13 +15,18 @@ from pathlib import Path
 from typing import Any
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Flush a directory's entries (a rename or a new file in it) to stable storage."""
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flush a file's data, or a directory's entries, to stable storage (opened read-only)."""
     fd = os.open(os.fspath(path), os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Flush a directory's entries (a rename or a new file in it) to stable storage."""
+    fsync_path(path)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:

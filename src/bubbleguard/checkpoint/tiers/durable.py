@@ -61,6 +61,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from bubbleguard.checkpoint.atomic import fsync_path
 from bubbleguard.checkpoint.errors import (
     CheckpointError,
     CorruptSnapshotError,
@@ -253,6 +254,11 @@ class DurableTier(Tier):
             if not self.fs.exists(path):
                 raise IncompleteCheckpointError(f"{step_dir}: rank {r}'s {path} is missing")
             parts.append(RankPart(r, 0, f"{self.fs.size(path)}"))
+        if is_local(self.fs):
+            # DCP syncs .metadata before it flushes the buffered stream it pickled it into: a
+            # pickle under the buffer's 8 KiB (a small model's) is not on disk when DCP returns.
+            # On disk before the marker says the checkpoint is complete.
+            fsync_path(f"{step_dir}/.metadata")
         write_marker(self.fs, step_dir, CommitMarker("durable", step, self.num_ranks, tuple(parts)))
 
     def _retain(self) -> None:
