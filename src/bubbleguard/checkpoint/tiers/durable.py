@@ -16,8 +16,9 @@ Call order (every rank of ``process_group``, same steps, same order)::
 
     tier = DurableTier(root, process_group=group, keep_last=3)
     tier.write(state)   # collective: per-rank JSON, then dcp.save on `group`
-    tier.commit(step)   # collective: rank 0 checks .metadata and every rank's JSON, writes the
-                        # marker, applies retention, and tells every rank the outcome
+    tier.commit(step)   # collective: rank 0 checks .metadata and every rank's JSON, syncs
+                        # .metadata, writes the marker, applies retention, and tells every
+                        # rank the outcome
     # or tier.save(state) for both.
 
 Readers (any process, no process group): ``latest()``, ``read(step, select=...)``,
