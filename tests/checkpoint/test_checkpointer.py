@@ -81,3 +81,32 @@ def test_flush_finishes_the_snapshot_and_the_due_persist(tmp_path: Path, mode: s
     losses += train_job(job, cursor, 3, 5)  # training goes on after a flush, unchanged
     ckpt.close()
     assert losses == reference
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reuse_layout", [True, False])
+def test_bubble_persists_replay_the_first_one_unless_told_not_to(tmp_path: Path,
+                                                                 reuse_layout: bool) -> None:
+    from bubbleguard.checkpoint.tiers.durable import DurableTier
+
+    (tmp_path / "shm").mkdir()
+    config = CheckpointConfig(mode="bubble", ckpt_dir=str(tmp_path / "ckpt"), persist_every=1,
+                              keep_last=5, shm_root=str(tmp_path / "shm"),
+                              reuse_layout=reuse_layout)
+    job, cursor = _job(), Cursor()
+    ckpt = Checkpointer(job, config, data_state=cursor.state_dict)
+    for stop in (1, 2, 3):
+        train_job(job, cursor, stop - 1, stop)
+        ckpt.flush()  # this step's persist is written before the next one is due
+    results = ckpt.persist_results()
+    assert results is not None
+    assert [(r.step, r.persisted, r.replayed) for r in results] == [
+        (1, True, False), (2, True, reuse_layout), (3, True, reuse_layout)]
+    durable, memory = DurableTier(tmp_path / "ckpt"), ckpt.memory
+    assert memory is not None
+    for step in (1, 2, 3):  # the helper wrote exactly the snapshot, either way
+        snapshot = memory.read(step)
+        written = durable.read(step)
+        for name, t in snapshot.tensors.items():
+            assert torch.equal(written.tensors[name], t), (step, name)
+    ckpt.close()

@@ -103,6 +103,8 @@ class PersistResult:
             busy time in between, not what the persist costs.
         cpu_s: CPU time the helper process spent on the persist, all its threads, from
             mapping the snapshot to the commit: the idle time it took (0 when not persisted).
+        replayed: written by replaying the previous save's file layout rather than by
+            ``dcp.save`` (see ``tiers/dcp_layout.py``): the same files, less CPU.
     """
 
     step: int
@@ -111,6 +113,7 @@ class PersistResult:
     num_bytes: int = 0
     duration_s: float = 0.0
     cpu_s: float = 0.0
+    replayed: bool = False
 
 
 def cpu_bandwidth(results: list[PersistResult]) -> float | None:
@@ -182,6 +185,7 @@ class BackgroundPersister:
             "memory_rank": memory.rank, "memory_num_ranks": memory.num_ranks,
             "memory_num_slots": memory.num_slots,
             "durable_url": durable.url, "keep_last": durable.keep_last,
+            "reuse_layout": durable.reuse_layout,
         }
         env = dict(os.environ)
         # The helper imports this very package, wherever it was imported from (src/ here).

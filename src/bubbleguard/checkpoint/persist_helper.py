@@ -95,7 +95,7 @@ def _persist(memory: MemoryTier, durable: DurableTier, step: int,
     """
     cpu_start = time.process_time()
     result: dict[str, Any] = {"step": step, "persisted": False, "error": error,
-                              "num_bytes": 0, "duration_s": 0.0, "cpu_s": 0.0}
+                              "num_bytes": 0, "duration_s": 0.0, "cpu_s": 0.0, "replayed": False}
     with contextlib.ExitStack() as mapping:
         state: StageState | None = None
         if error is None:
@@ -108,6 +108,7 @@ def _persist(memory: MemoryTier, durable: DurableTier, step: int,
             return result
         assert state is not None
         start = time.perf_counter()
+        replayed_before = durable.replayed
         try:
             durable.save(state)
         except (OSError, ValueError, CheckpointError) as e:
@@ -116,7 +117,8 @@ def _persist(memory: MemoryTier, durable: DurableTier, step: int,
             return result
         result.update(persisted=True, num_bytes=state.num_bytes,
                       duration_s=time.perf_counter() - start,
-                      cpu_s=time.process_time() - cpu_start)
+                      cpu_s=time.process_time() - cpu_start,
+                      replayed=durable.replayed > replayed_before)
         return result
 
 
@@ -142,7 +144,10 @@ def main(argv: list[str]) -> int:
         memory = MemoryTier(cfg["job_id"], int(cfg["memory_rank"]),
                             num_ranks=int(cfg["memory_num_ranks"]), root=cfg["shm_root"],
                             num_slots=int(cfg["memory_num_slots"]), create=False)
-        durable = DurableTier(cfg["durable_url"], keep_last=int(cfg["keep_last"]))
+        # With the rank's tier's reuse_layout, each persist after the first replays the first
+        # one's DCP files (the layout does not change between steps; see tiers/dcp_layout.py).
+        durable = DurableTier(cfg["durable_url"], keep_last=int(cfg["keep_last"]),
+                              reuse_layout=bool(cfg["reuse_layout"]))
         # Python's full collections scan every object alive; after importing torch that is
         # hundreds of thousands, and DCP's planning makes enough garbage to trigger one every
         # few persists: 0.4-0.5 s of CPU each here, more than the persists themselves. What
