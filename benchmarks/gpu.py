@@ -148,7 +148,7 @@ def run_interleaved(size: dict[str, Any], modes: Sequence[str], ckpt_root: str,
         job.close()
         for mode in modes:
             remove_job(job_id_for(f"{ckpt_root}/ckpt-{mode}"), shm)
-    per_rank = ("blocking_s", "bubble_s", "overrun_s", "flush_s", "durable_step")
+    per_rank = ("blocking_s", "bubble_s", "overrun_s", "flush_s", "durable_step", "persists")
     return [{**b, **{key: {"0": b[key]} for key in per_rank}} for b in blocks]
 
 

@@ -49,7 +49,12 @@ step times, as ``bubbleguard train`` does):
 ``--modes none,bubble,bubble-snapshots`` adds an ablation: ``bubble`` without durable persists, in
 blocks of its own in every round, and reports ``bubble.persist_cost`` (bubble's mean step over the
 ablation's, pooled over rounds, with a round-paired bootstrap interval): what the persists cost,
-separated from what the snapshot copies cost, within one run.
+separated from what the snapshot copies cost, within one run. ``bubble-dcp-save`` is the other
+ablation: ``bubble`` whose helpers write every persist with ``dcp.save``
+(``CheckpointConfig.reuse_layout=False``) instead of replaying the first one's files; it reports
+``bubble.vs_dcp_save`` (bubble's mean step over the ablation's, the same way): what the replay
+saves. Per block, ``persists`` lists the persists that finished in it, per rank, as
+``[step, helper CPU seconds, replayed]``; per mode, ``persist_cpu_s`` sums them up.
 
 ``--busy N`` runs the training job beside N busy processes (each a Python loop that never
 sleeps, at normal priority), started after the bandwidth measurement and stopped when the job
@@ -105,6 +110,10 @@ SNAPSHOTS_ONLY = "bubble-snapshots"
 """An ablation, run only when named in ``--modes``: ``bubble`` without its durable persists, in
 blocks of its own between the others, so that what the persists cost is measured in the same run
 (``persist_cost``: bubble against it, round by round)."""
+DCP_SAVE = "bubble-dcp-save"
+"""An ablation like ``SNAPSHOTS_ONLY``: ``bubble`` whose every persist is a ``dcp.save``
+(``bubble.vs_dcp_save``: bubble against it)."""
+ABLATIONS = (SNAPSHOTS_ONLY, DCP_SAVE)
 BLOCK_STEPS = 10  # one block = one persist period
 THREAD_COUNTERS = ("cpu_s", "run_delay_s", "minor_faults", "preempted")
 EVICT_BYTES = 256 << 20
@@ -191,10 +200,11 @@ def mode_checkpointers(job: Any, modes: Sequence[str], ckpt_root: str, data_stat
     ``persist_every=0``: snapshots only (an ablation: what the durable tier costs)."""
     def config(mode: str) -> CheckpointConfig:
         snapshots_only = mode == SNAPSHOTS_ONLY
-        return CheckpointConfig(mode="bubble" if snapshots_only else mode,
+        return CheckpointConfig(mode="bubble" if mode in ABLATIONS else mode,
                                 ckpt_dir=f"{ckpt_root}/ckpt-{mode}", every=1,
                                 persist_every=0 if snapshots_only else persist_every,
-                                keep_last=2, shm_root=shm_root, chunk_bytes=chunk_bytes)
+                                keep_last=2, shm_root=shm_root, chunk_bytes=chunk_bytes,
+                                reuse_layout=mode != DCP_SAVE)
 
     ckpts = {mode: Checkpointer(job, config(mode), data_state=data_state)
              for mode in modes if mode != "none"}
@@ -216,6 +226,7 @@ def run_blocks(job: Any, ckpts: dict[str, Checkpointer],
         step()
     blocks: list[dict[str, Any]] = []
     reported: dict[str, int] = {}  # failed persists already listed, per mode
+    finished: dict[str, int] = {}  # persist results already listed, per mode
     for round_index, mode in order:
         ckpt = ckpts.get(mode)
         if ckpt is None:
@@ -239,11 +250,14 @@ def run_blocks(job: Any, ckpts: dict[str, Checkpointer],
             ckpt.flush()
         flush_s = time.perf_counter() - start
         failed = persist_failures(ckpt)
+        done = (ckpt.persist_results(finished.get(mode, 0)) if ckpt is not None else None) or []
+        finished[mode] = finished.get(mode, 0) + len(done)
         blocks.append({"round": round_index, "mode": mode, "first_step": first,
                        "step_times_s": times[1:], "blocking_s": blocking[1:],
                        "bubble_s": in_bubbles[1:], "overrun_s": overrun[1:], "flush_s": flush_s,
                        "durable_step": newest_durable_step(ckpt),
                        "persist_errors": failed[reported.get(mode, 0):],
+                       "persists": [[r.step, r.cpu_s, r.replayed] for r in done if r.persisted],
                        "thread": {key: v[1:] for key, v in counters.items()}})
         reported[mode] = len(failed)
     return blocks
@@ -310,7 +324,7 @@ def run_interleaved(size: dict[str, Any], modes: Sequence[str], workdir: Path, c
         assert (b0["mode"], b0["first_step"]) == (b1["mode"], b1["first_step"])
         blocks.append({**b1, **{key: {"0": b0[key], "1": b1[key]}
                                 for key in ("blocking_s", "bubble_s", "overrun_s", "flush_s",
-                                            "durable_step", "thread")}})
+                                            "durable_step", "thread", "persists")}})
     return blocks, [float(x) for x in last["losses"]]
 
 
@@ -459,6 +473,8 @@ def summarize(blocks: list[dict[str, Any]], modes: Sequence[str]) -> dict[str, A
                 "of": len(mine), **{rank: sum(b["durable_step"][rank] is not None
                                               and b["durable_step"][rank] >= b["first_step"]
                                               for b in mine) for rank in ranks}}
+            if all("persists" in b for b in mine):
+                out[mode]["persist_cpu_s"] = persist_cpu(mine, ranks)
     if SNAPSHOTS_ONLY in modes:
         # What the durable persists cost: bubble against itself without them, round by round.
         pairs = [(of(r, "bubble", "step_times_s"), of(r, SNAPSHOTS_ONLY, "step_times_s"))
@@ -468,6 +484,29 @@ def summarize(blocks: list[dict[str, Any]], modes: Sequence[str]) -> dict[str, A
         out["bubble"]["persist_cost"] = {
             "pooled_mean": statistics.fmean(with_persists) / statistics.fmean(without) - 1,
             "ci95": list(_bootstrap_overhead(pairs)) if len(rounds) > 1 else None}
+    if DCP_SAVE in modes:
+        # What replaying the first persist's files saves: bubble against its dcp.save twin.
+        pairs = [(of(r, "bubble", "step_times_s"), of(r, DCP_SAVE, "step_times_s"))
+                 for r in rounds]
+        replaying = [t for m, _ in pairs for t in m]
+        saving = [t for _, n in pairs for t in n]
+        out["bubble"]["vs_dcp_save"] = {
+            "pooled_mean": statistics.fmean(replaying) / statistics.fmean(saving) - 1,
+            "ci95": list(_bootstrap_overhead(pairs)) if len(rounds) > 1 else None}
+    return out
+
+
+def persist_cpu(blocks: list[dict[str, Any]], ranks: list[str]) -> dict[str, Any]:
+    """Per rank: how many persists finished in ``blocks``, how many were replayed, and the
+    median helper CPU time of each kind (None where there were none)."""
+    out: dict[str, Any] = {}
+    for rank in ranks:
+        rows = [p for b in blocks for p in b["persists"][rank]]
+        replayed = [cpu for _, cpu, again in rows if again]
+        saved = [cpu for _, cpu, again in rows if not again]
+        out[rank] = {"count": len(rows), "replayed": len(replayed),
+                     "median_replayed_s": statistics.median(replayed) if replayed else None,
+                     "median_dcp_save_s": statistics.median(saved) if saved else None}
     return out
 
 
@@ -580,11 +619,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--busy must be >= 0, got {args.busy}")
     persist_every = 0 if args.no_persist else BLOCK_STEPS
     asked = set(args.modes.split(","))
-    unknown = asked - {*MODES, SNAPSHOTS_ONLY}
+    unknown = asked - {*MODES, *ABLATIONS}
     if unknown:
         parser.error(f"unknown mode(s) {', '.join(sorted(unknown))}; choose from "
-                     f"{', '.join((*MODES, SNAPSHOTS_ONLY))}")
-    modes = tuple(m for m in (*MODES, SNAPSHOTS_ONLY) if m in {"none", "bubble", *asked})
+                     f"{', '.join((*MODES, *ABLATIONS))}")
+    modes = tuple(m for m in (*MODES, *ABLATIONS) if m in {"none", "bubble", *asked})
     size = bench_size(args.tiny)
     if args.rounds:
         size["rounds"] = args.rounds
@@ -641,14 +680,25 @@ def main(argv: Sequence[str] | None = None) -> None:
             steps = " ".join(f"{x * 1e3:+.1f}" for x in m["excess_by_position"]["step_s"])
             print(f"{mode}: step time over none by step of the block (the persist starts with "
                   f"it), ms: {steps}")
-    cost = summary["bubble"].get("persist_cost")
-    if cost is not None:
-        ci = (f" (95% CI [{cost['ci95'][0]:+.2%}, {cost['ci95'][1]:+.2%}])"
-              if cost["ci95"] else "")
-        print(f"persists: bubble over {SNAPSHOTS_ONLY} {cost['pooled_mean']:+.2%}{ci}")
+    for key, label in (("persist_cost", f"persists: bubble over {SNAPSHOTS_ONLY}"),
+                       ("vs_dcp_save", f"replayed persists: bubble over {DCP_SAVE}")):
+        cost = summary["bubble"].get(key)
+        if cost is not None:
+            ci = (f" (95% CI [{cost['ci95'][0]:+.2%}, {cost['ci95'][1]:+.2%}])"
+                  if cost["ci95"] else "")
+            print(f"{label} {cost['pooled_mean']:+.2%}{ci}")
+    for mode, m in summary.items():
+        for rank, p in m.get("persist_cpu_s", {}).items():
+            print(f"{mode} rank {rank}: {p['count']} persists, {p['replayed']} replayed; "
+                  f"helper CPU median {_ms(p['median_replayed_s'])} replayed, "
+                  f"{_ms(p['median_dcp_save_s'])} by dcp.save")
     if identical is False:
         print("WARNING: the interleaved run's losses differ from a plain run's")
     print(f"written to {out / 'overhead.json'} ({doc['wall_s']:.0f} s)")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
 if __name__ == "__main__":

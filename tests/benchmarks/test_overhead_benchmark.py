@@ -108,24 +108,38 @@ def test_the_one_percent_goal_is_decided_by_the_interval() -> None:
     assert overhead.at_most(0.01, None) == "undecided"
 
 
-@pytest.mark.timeout(240)
-def test_overhead_benchmark_persist_ablation(tmp_path: Path) -> None:
-    """bubble-snapshots is bubble without persists, measured in the same run: its blocks write
-    nothing durable, and bubble's persist cost is reported against it."""
+@pytest.mark.timeout(300)
+def test_overhead_benchmark_ablations(tmp_path: Path) -> None:
+    """bubble-snapshots is bubble without persists, bubble-dcp-save bubble whose persists are
+    all dcp.saves, both measured in the same run: the first writes nothing durable, the second
+    replays nothing, and bubble is reported against each."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--tiny",
-                           "--modes", "none,bubble,bubble-snapshots", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=230)
+                           "--modes", "none,bubble,bubble-snapshots,bubble-dcp-save",
+                           "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=290)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads((tmp_path / "overhead.json").read_text())
-    assert list(doc["modes"]) == ["none", "bubble", "bubble-snapshots"]
+    assert list(doc["modes"]) == ["none", "bubble", "bubble-snapshots", "bubble-dcp-save"]
     assert doc["losses_equal_plain_run"] is True
     assert [b["mode"] for b in doc["blocks"] if b["round"] == 0] == [
-        "none", "bubble", "none", "bubble-snapshots"]
+        "none", "bubble", "none", "bubble-snapshots", "none", "bubble", "none", "bubble-dcp-save"]
     for b in doc["blocks"]:
-        newest = {"bubble": b["first_step"]}.get(b["mode"])
+        newest = b["first_step"] if b["mode"] in ("bubble", "bubble-dcp-save") else None
         assert b["durable_step"] == {"0": newest, "1": newest}, b
+        # Each block's persist finished within it (the flush at its end waits for it).
+        steps = [newest] if newest is not None else []
+        assert [[p[0] for p in b["persists"][r]] for r in "01"] == [steps, steps], b
     snapshots = doc["modes"]["bubble-snapshots"]
     assert snapshots["ckpt_bubble_s"]["0"] > 0 and snapshots["ckpt_blocking_s"]["0"] > 0
+    # bubble's first persist (in the warm-up round) is a dcp.save and the measured ones replay
+    # it; the ablation's never do.
+    for rank in "01":
+        bubble = doc["modes"]["bubble"]["persist_cpu_s"][rank]
+        assert (bubble["count"], bubble["replayed"], bubble["median_dcp_save_s"]) == (2, 2, None)
+        assert bubble["median_replayed_s"] > 0
+        saving = doc["modes"]["bubble-dcp-save"]["persist_cpu_s"][rank]
+        assert (saving["count"], saving["replayed"], saving["median_replayed_s"]) == (1, 0, None)
+        assert saving["median_dcp_save_s"] > 0
     measured = [b for b in doc["blocks"] if b["round"] >= 0]
 
     def mean_step(mode: str) -> float:
@@ -136,8 +150,13 @@ def test_overhead_benchmark_persist_ablation(tmp_path: Path) -> None:
     assert cost["pooled_mean"] == pytest.approx(mean_step("bubble") / mean_step("bubble-snapshots")
                                                 - 1)
     assert cost["ci95"] is None  # one round: nothing to resample
-    assert "persist_cost" not in snapshots
+    replay = doc["modes"]["bubble"]["vs_dcp_save"]
+    assert replay["pooled_mean"] == pytest.approx(mean_step("bubble")
+                                                  / mean_step("bubble-dcp-save") - 1)
+    assert "persist_cost" not in snapshots and "vs_dcp_save" not in snapshots
     assert "persists: bubble over bubble-snapshots" in proc.stdout
+    assert "replayed persists: bubble over bubble-dcp-save" in proc.stdout
+    assert "bubble rank 0: 2 persists, 2 replayed" in proc.stdout
 
 
 def test_overhead_benchmark_rejects_unknown_mode(tmp_path: Path) -> None:
@@ -145,7 +164,7 @@ def test_overhead_benchmark_rejects_unknown_mode(tmp_path: Path) -> None:
                            "--modes", "none,bubbel", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "unknown mode(s) bubbel" in proc.stderr and "bubble-snapshots" in proc.stderr
+    assert "unknown mode(s) bubbel" in proc.stderr and "bubble-dcp-save" in proc.stderr
     assert not (tmp_path / "overhead.json").exists()
 
 
