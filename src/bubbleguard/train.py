@@ -85,6 +85,8 @@ class TrainConfig:
         keep_last: durable checkpoints to keep.
         persist_when_busy: ``skip`` a persist due while the previous one is still being written
             (default: training never waits for it) or ``wait`` for a slot.
+        reuse_layout: ``bubble``: persists after the first replay its DCP files (default);
+            False: every persist is a ``dcp.save``.
         ckpt_chunk_mb: snapshot chunk size in MiB (the most a copy can overrun a bubble).
         resume: start from the newest complete checkpoint (memory tier first, then durable).
         fault: ``RANK:STEP[:PHASE]`` to kill a rank on the first attempt (fault injection).
@@ -114,6 +116,7 @@ class TrainConfig:
     persist_every: int = 10
     keep_last: int = 3
     persist_when_busy: str = "skip"
+    reuse_layout: bool = True
     ckpt_chunk_mb: float = 4.0
     resume: bool = False
     fault: str | None = None
@@ -165,7 +168,8 @@ class TrainConfig:
         chunk_bytes = max(64, int(self.ckpt_chunk_mb * 2**20) // 64 * 64)
         return CheckpointConfig(mode=self.ckpt, ckpt_dir=self.ckpt_dir, every=self.ckpt_every,
                                 persist_every=self.persist_every, keep_last=self.keep_last,
-                                chunk_bytes=chunk_bytes, persist_when_busy=self.persist_when_busy)
+                                chunk_bytes=chunk_bytes, persist_when_busy=self.persist_when_busy,
+                                reuse_layout=self.reuse_layout)
 
     @property
     def layout(self) -> Layout:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bubbleguard.cli.main import _persist_fit, main
+from bubbleguard.checkpoint.checkpointer import CheckpointConfig
+from bubbleguard.cli.main import _config_from_args, _persist_fit, build_parser, main
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -125,3 +126,11 @@ def test_the_plan_line_says_why_the_persist_fit_is_missing() -> None:
     assert _persist_fit(plan) == "durable persist fit not known yet (no persist had finished)"
     plan = {"persist_every_free": None, "persist_bandwidth_bytes_per_s": 2e8}
     assert _persist_fit(plan) == "no idle time left for a durable persist"
+
+
+def test_no_reuse_layout_makes_every_persist_a_dcp_save() -> None:
+    def config(*extra: str) -> CheckpointConfig:
+        args = build_parser().parse_args(["train", "--ckpt", "bubble", "--ckpt-dir", "c", *extra])
+        return _config_from_args(args).checkpoint_config
+    assert config().reuse_layout is True
+    assert config("--no-reuse-layout").reuse_layout is False

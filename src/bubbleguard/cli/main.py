@@ -78,6 +78,9 @@ def _add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> N
                     help="a persist due while the previous one is still being written: skip it "
                          "(training never waits) or wait for it (every due persist is written; "
                          "a snapshot may wait)")
+    ck.add_argument("--no-reuse-layout", action="store_true",
+                    help="write every persist with dcp.save, instead of replaying the first "
+                         "one's files for the later ones (the same files, less CPU)")
     ck.add_argument("--ckpt-chunk-mb", type=float, default=defaults.ckpt_chunk_mb,
                     help="snapshot chunk size in MiB (the most a copy can overrun a bubble)")
     ck.add_argument("--resume", action="store_true",
@@ -147,7 +150,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
                        ckpt=args.ckpt, ckpt_dir=args.ckpt_dir,
                        ckpt_every=args.ckpt_every, persist_every=args.persist_every,
                        keep_last=args.keep_last, persist_when_busy=args.persist_when_busy,
-                       ckpt_chunk_mb=args.ckpt_chunk_mb,
+                       reuse_layout=not args.no_reuse_layout, ckpt_chunk_mb=args.ckpt_chunk_mb,
                        resume=args.resume, fault=args.fault,
                        max_restarts=args.max_restarts)
 
