@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bubbleguard.checkpoint.checkpointer import CheckpointConfig, Checkpointer
+from bubbleguard.checkpoint.checkpointer import BubbleStrategy, CheckpointConfig, Checkpointer
 from bubbleguard.checkpoint.layout import DEFAULT_CHUNK_BYTES
 from bubbleguard.models import build_model, lm_loss
 from bubbleguard.pipeline.runtime import PipelineJob
@@ -95,6 +95,8 @@ def test_bubble_persists_replay_the_first_one_unless_told_not_to(tmp_path: Path,
                               reuse_layout=reuse_layout)
     job, cursor = _job(), Cursor()
     ckpt = Checkpointer(job, config, data_state=cursor.state_dict)
+    # The helper is up before training starts, so the first persist need not wait for it.
+    assert isinstance(ckpt.strategy, BubbleStrategy) and ckpt.strategy.persister.ready
     for stop in (1, 2, 3):
         train_job(job, cursor, stop - 1, stop)
         ckpt.flush()  # this step's persist is written before the next one is due

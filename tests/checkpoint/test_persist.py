@@ -315,3 +315,28 @@ def test_the_helper_has_its_own_process_group_but_the_ranks_session(tmp_path: Pa
     finally:
         assert persister.close(timeout_s=60) == []
         memory.cleanup()
+
+
+@pytest.mark.timeout(120)
+def test_wait_ready_returns_once_the_helper_is_up_and_names_a_helper_that_died(
+        tmp_path: Path) -> None:
+    import shutil
+
+    from bubbleguard.checkpoint.persist import BackgroundPersister, PersistHelperError
+
+    memory = MemoryTier("p", 0, root=tmp_path, chunk_bytes=1024)
+    persister = BackgroundPersister(memory, DurableTier(tmp_path / "d"))
+    assert not persister.ready  # it has only just been started
+    persister.wait_ready(timeout_s=60)
+    assert persister.ready
+    assert persister.close(timeout_s=30) == []
+
+    # A helper that cannot open the memory tier (its directory is gone) fails at start-up:
+    # wait_ready says so instead of training on without a durable tier.
+    shutil.rmtree(memory.job_dir)
+    broken = BackgroundPersister(memory, DurableTier(tmp_path / "d"))
+    with pytest.raises(PersistHelperError, match="persist helper failed"):
+        broken.wait_ready(timeout_s=60)
+    assert not broken.ready
+    with pytest.raises(PersistHelperError):
+        broken.close(timeout_s=30)

@@ -416,6 +416,7 @@ class BubbleStrategy(SnapshotStrategy):
         self.persister = BackgroundPersister(
             owner.memory, owner.durable,
             skip_while_busy=owner.config.persist_when_busy == "skip")
+        self.persister.wait_ready()  # before training: see BackgroundPersister.wait_ready
         self.active: int | None = None
         # GPU: a snapshot taken while the previous one is still being checksummed.
         self.queued: tuple[int, Callable[[], StageState], Any] | None = None

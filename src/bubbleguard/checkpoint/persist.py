@@ -12,6 +12,7 @@ Call order (every rank, same order)::
 
     # once, after init_process_group (collective on `group`, default: the default group):
     persister = BackgroundPersister(memory_tier, DurableTier(ckpt_dir, keep_last=3))
+    persister.wait_ready()         # optional: until the helpers' group is up (a few s of CPU)
 
     # every rank, same steps, same order, once step k is committed in the memory tier:
     persister.submit(k)            # returns at once; k's slot stays pinned until the helper
@@ -167,6 +168,7 @@ class BackgroundPersister:
         self._results: list[PersistResult] = []
         self._pins: list[tuple[int, contextlib.ExitStack]] = []
         self._num_submitted = 0
+        self.ready = False  # the helper has imported torch and joined its peers
         self._failure: BaseException | None = None
         self._closing = False
         # Held while the helper is stopped or continued, with the message that follows a continue
@@ -255,6 +257,25 @@ class BackgroundPersister:
             self._num_submitted += 1
         self._send({"kind": "persist", "step": step, "error": error})
 
+    def wait_ready(self, timeout_s: float | None = HELPER_TIMEOUT_S) -> None:
+        """Block until the helper is up (torch imported, its process group formed).
+
+        A helper starts in idle CPU time only: beside a busy rank, its 2-3 s of start-up CPU
+        took 18-20 s on the dev VM, and the first persist waited for it while the later ones
+        were skipped (the first durable checkpoint came some 270 steps in). Waiting here, while
+        the rank leaves the CPU idle, costs those seconds once, before training.
+
+        Raises:
+            PersistHelperError: the helper failed, or was not up within ``timeout_s``.
+        """
+        with self._cond:
+            self._cond.wait_for(lambda: self.ready or self._failure is not None, timeout_s)
+            ready = self.ready
+        self.raise_if_failed()
+        if not ready:
+            raise PersistHelperError(f"persist helper (pid {self._proc.pid}) was not up within "
+                                     f"{timeout_s} s")
+
     def results(self, start: int = 0) -> list[PersistResult]:
         """Outcomes so far, in submission order, from the ``start``-th on."""
         with self._cond:
@@ -331,6 +352,9 @@ class BackgroundPersister:
                     self._cond.notify_all()
                 self._stop_if_idle()
             elif kind == "ready":
+                with self._cond:
+                    self.ready = True
+                    self._cond.notify_all()
                 self._stop_if_idle()
             elif kind == "fatal":
                 self._fail(PersistHelperError(f"persist helper failed:\n{msg['error']}"))
