@@ -258,6 +258,10 @@ def _failing_worker(rank: int, store_path: str, out_dir: str) -> None:
     job.attach_hooks(FailingHooks(1) if rank == 1 else CountingHooks(0))
     x, y = torch.randint(0, 256, (8, 16)), torch.randint(0, 256, (8,))
     job.step(x, y)
+    if rank == 0:
+        # Rank 1 then waits for step 2's first activation for sure, and runs bubble work in
+        # that wait (on a loaded machine the data was sometimes there before it looked).
+        time.sleep(0.5)
     outcome = "no error"
     try:
         job.step(x, y)
