@@ -109,16 +109,28 @@ def test_the_one_percent_goal_is_decided_by_the_interval() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_overhead_benchmark_ablations(tmp_path: Path) -> None:
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs /proc")
+def test_overhead_benchmark_ablations_beside_a_busy_process(tmp_path: Path) -> None:
     """bubble-snapshots is bubble without persists, bubble-dcp-save bubble whose persists are
     all dcp.saves, both measured in the same run: the first writes nothing durable, the second
-    replays nothing, and bubble is reported against each."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--tiny",
-                           "--modes", "none,bubble,bubble-snapshots,bubble-dcp-save",
-                           "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=290)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    replays nothing, and bubble is reported against each. The run shares the cores with a busy
+    loop (--busy 1), which exists while the job runs and is gone after it."""
+    assert _running_busy_loops() == []
+    log = tmp_path / "log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "overhead.py"),
+                                 "--tiny", "--modes", "none,bubble,bubble-snapshots,bubble-dcp-save",
+                                 "--busy", "1", "--out", str(tmp_path)],
+                                stdout=out, stderr=subprocess.STDOUT)
+        seen = set()
+        while proc.poll() is None:
+            seen.update(_running_busy_loops())
+            time.sleep(0.2)
+    stdout = log.read_text()
+    assert proc.returncode == 0, stdout[-2000:]
+    assert len(seen) == 1 and _running_busy_loops() == []
     doc = json.loads((tmp_path / "overhead.json").read_text())
+    assert doc["config"]["busy_processes"] == 1
     assert list(doc["modes"]) == ["none", "bubble", "bubble-snapshots", "bubble-dcp-save"]
     assert doc["losses_equal_plain_run"] is True
     assert [b["mode"] for b in doc["blocks"] if b["round"] == 0] == [
@@ -154,9 +166,9 @@ def test_overhead_benchmark_ablations(tmp_path: Path) -> None:
     assert replay["pooled_mean"] == pytest.approx(mean_step("bubble")
                                                   / mean_step("bubble-dcp-save") - 1)
     assert "persist_cost" not in snapshots and "vs_dcp_save" not in snapshots
-    assert "persists: bubble over bubble-snapshots" in proc.stdout
-    assert "replayed persists: bubble over bubble-dcp-save" in proc.stdout
-    assert "bubble rank 0: 2 persists, 2 replayed" in proc.stdout
+    assert "persists: bubble over bubble-snapshots" in stdout
+    assert "replayed persists: bubble over bubble-dcp-save" in stdout
+    assert "bubble rank 0: 2 persists, 2 replayed" in stdout
 
 
 def test_overhead_benchmark_rejects_unknown_mode(tmp_path: Path) -> None:
@@ -178,31 +190,6 @@ def _running_busy_loops() -> list[str]:
         except OSError:
             pass  # the process ended while we looked
     return found
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs /proc")
-def test_overhead_benchmark_beside_busy_processes(tmp_path: Path) -> None:
-    """--busy N shares the cores with N busy loops for the job, and leaves none behind."""
-    assert _running_busy_loops() == []
-    log = tmp_path / "log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "overhead.py"),
-                                 "--tiny", "--modes", "none,bubble", "--busy", "1", "--out",
-                                 str(tmp_path)], stdout=out, stderr=subprocess.STDOUT)
-        seen = set()
-        while proc.poll() is None:  # the busy loop exists while the job runs
-            seen.update(_running_busy_loops())
-            time.sleep(0.2)
-    assert proc.returncode == 0, log.read_text()[-2000:]
-    assert len(seen) == 1
-    doc = json.loads((tmp_path / "overhead.json").read_text())
-    assert doc["config"]["busy_processes"] == 1
-    assert list(doc["modes"]) == ["none", "bubble"]
-    n = doc["config"]["rounds"]  # one bubble block per round without baselines
-    assert doc["modes"]["bubble"]["persisted_blocks"] == {"of": n, "0": n, "1": n}
-    assert doc["losses_equal_plain_run"] is True
-    assert _running_busy_loops() == []
 
 
 def test_overhead_benchmark_rejects_negative_busy(tmp_path: Path) -> None:
