@@ -3,8 +3,8 @@
 A background persist writes the same tensors, of the same names, dtypes and shapes, every time;
 only their bytes change. Yet each ``dcp.save`` plans the save again (collectives, planner
 objects), pickles every tensor with ``torch.save`` into a zip record of its own and pickles the
-global metadata: 60-80 ms of a persist helper's user CPU for a 44 MB stage on the dev VM, CPU time
-that this VM takes from the training ranks (README, "idle CPU time is not free on this VM").
+global metadata: 84 ms of user CPU for a 44 MB stage on the dev VM (9 ms replayed; README, "Dec
+7"), CPU time that this VM takes from the training ranks ("idle CPU time is not free").
 
 :class:`DcpLayout` learns, from the files of one ordinary ``dcp.save`` on a local filesystem,
 where each tensor's bytes lie in this rank's data files and keeps everything else (zip headers,
