@@ -475,23 +475,17 @@ def summarize(blocks: list[dict[str, Any]], modes: Sequence[str]) -> dict[str, A
                                               for b in mine) for rank in ranks}}
             if all("persists" in b for b in mine):
                 out[mode]["persist_cpu_s"] = persist_cpu(mine, ranks)
-    if SNAPSHOTS_ONLY in modes:
-        # What the durable persists cost: bubble against itself without them, round by round.
-        pairs = [(of(r, "bubble", "step_times_s"), of(r, SNAPSHOTS_ONLY, "step_times_s"))
+    # Bubble against each ablation in the run, round by round: what the durable persists cost
+    # (against bubble without them), what replaying saves (against its dcp.save twin).
+    for ablation, key in ((SNAPSHOTS_ONLY, "persist_cost"), (DCP_SAVE, "vs_dcp_save")):
+        if ablation not in modes:
+            continue
+        pairs = [(of(r, "bubble", "step_times_s"), of(r, ablation, "step_times_s"))
                  for r in rounds]
-        with_persists = [t for m, _ in pairs for t in m]
-        without = [t for _, n in pairs for t in n]
-        out["bubble"]["persist_cost"] = {
-            "pooled_mean": statistics.fmean(with_persists) / statistics.fmean(without) - 1,
-            "ci95": list(_bootstrap_overhead(pairs)) if len(rounds) > 1 else None}
-    if DCP_SAVE in modes:
-        # What replaying the first persist's files saves: bubble against its dcp.save twin.
-        pairs = [(of(r, "bubble", "step_times_s"), of(r, DCP_SAVE, "step_times_s"))
-                 for r in rounds]
-        replaying = [t for m, _ in pairs for t in m]
-        saving = [t for _, n in pairs for t in n]
-        out["bubble"]["vs_dcp_save"] = {
-            "pooled_mean": statistics.fmean(replaying) / statistics.fmean(saving) - 1,
+        ours = [t for m, _ in pairs for t in m]
+        theirs = [t for _, n in pairs for t in n]
+        out["bubble"][key] = {
+            "pooled_mean": statistics.fmean(ours) / statistics.fmean(theirs) - 1,
             "ci95": list(_bootstrap_overhead(pairs)) if len(rounds) > 1 else None}
     return out
 
