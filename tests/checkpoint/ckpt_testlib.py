@@ -239,6 +239,31 @@ def train_with_snapshots_then_die(root: str, kill_at: int) -> None:
         tier.begin(capture_state(model, opt, sched, step=step, data_cursor={"batch": step}))
 
 
+def save_until_the_disk_is_full(tier: Any, model: Net, opt: torch.optim.Optimizer,
+                                 sched: Any) -> list[int]:
+    """Train (dim 64, ~400 KB of state) and save steps 1, 2, ... to ``tier`` on a small disk
+    until a save fails; check that it failed for want of space, that the error names the
+    checkpoint kept, and that the half-written step is gone. Returns the committed steps."""
+    import errno
+
+    import pytest
+
+    from bubbleguard.checkpoint.state import capture_state
+
+    committed: list[int] = []
+    with pytest.raises(OSError) as e:
+        for step in range(1, 10):
+            train_step(model, opt, sched, step, dim=64)
+            tier.save(capture_state(model, opt, sched, step=step))
+            committed.append(step)
+    assert e.value.errno == errno.ENOSPC
+    assert committed and f"previous checkpoint (step {committed[-1]}) is kept" in str(e.value)
+    assert tier.latest() == committed[-1]
+    assert [i.step for i in tier.checkpoints()] == committed  # the partial one was removed
+    assert tier.read().step == committed[-1]
+    return committed
+
+
 def mount_tmpfs(path: Path, options: str) -> bool:
     """Create ``path`` and, as root, mount a tmpfs with ``options`` on it; False if not mounted."""
     path.mkdir()
