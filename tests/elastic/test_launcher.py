@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from bubbleguard.elastic import launcher
 from bubbleguard.elastic.launcher import LaunchError, RankError, describe_failure, launch_local
 
 PEER_GONE = ("RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4242. "
@@ -74,3 +77,34 @@ def test_a_rank_that_fails_alone_is_reported_with_its_error_text() -> None:
 def _raise_on_rank_zero() -> None:
     if os.environ["RANK"] == "0":
         raise KeyError("no such step")
+
+
+def _report(tag: str) -> dict[str, Any]:
+    rank = os.environ["RANK"]
+    print(f"rank {rank} of the {tag} launch writes to the launcher's stderr", file=sys.stderr,
+          flush=True)
+    return {"rank": rank, "tag": os.environ.get("BG_TEST_TAG"),
+            "stale": os.environ.get("BG_TEST_STALE"), "threads": torch.get_num_threads(),
+            "parent": os.getppid()}
+
+
+@pytest.mark.timeout(120)
+def test_forked_ranks_see_the_environment_and_stderr_of_their_launch(
+        capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks fork from one server, started once per process with the environment of its first
+    launch; each launch's ranks still get that launch's variables, thread count and stderr."""
+    monkeypatch.setenv("BG_TEST_TAG", "first")
+    monkeypatch.setenv("BG_TEST_STALE", "set for the first launch only")
+    first = launch_local(_report, ("first",), 2)
+    monkeypatch.setenv("BG_TEST_TAG", "second")
+    monkeypatch.delenv("BG_TEST_STALE")
+    second = launch_local(_report, ("second",), 2, threads_per_rank=2)
+    assert first == {r: {"rank": str(r), "tag": "first", "stale": "set for the first launch only",
+                         "threads": 1, "parent": first[0]["parent"]} for r in (0, 1)}
+    assert second == {r: {"rank": str(r), "tag": "second", "stale": None, "threads": 2,
+                          "parent": first[0]["parent"]} for r in (0, 1)}
+    assert launcher._server is not None and first[0]["parent"] == launcher._server[0]
+    err = capfd.readouterr().err
+    for tag in ("first", "second"):
+        for rank in (0, 1):
+            assert f"rank {rank} of the {tag} launch writes to the launcher's stderr" in err
