@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.benchmarks import benchlib
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ["none", "sync", "background", "dcp-async", "bubble"]
@@ -98,10 +99,7 @@ def test_overhead_benchmark_tiny(tmp_path: Path) -> None:
 
 
 def test_the_one_percent_goal_is_decided_by_the_interval() -> None:
-    spec = importlib.util.spec_from_file_location("overhead", ROOT / "benchmarks" / "overhead.py")
-    assert spec is not None and spec.loader is not None
-    overhead = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(overhead)
+    overhead = benchlib.load("overhead")
     assert overhead.at_most(0.01, [0.002, 0.0099]) == "met"
     assert overhead.at_most(0.01, [0.0159, 0.022]) == "not met"
     assert overhead.at_most(0.01, [-0.005, 0.024]) == "undecided"  # a point estimate of +0.9%
@@ -171,12 +169,11 @@ def test_overhead_benchmark_ablations_beside_a_busy_process(tmp_path: Path) -> N
     assert "bubble rank 0: 2 persists, 2 replayed" in stdout
 
 
-def test_overhead_benchmark_rejects_unknown_mode(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--tiny",
-                           "--modes", "none,bubbel", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert "unknown mode(s) bubbel" in proc.stderr and "bubble-dcp-save" in proc.stderr
+def test_overhead_benchmark_rejects_unknown_mode(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    err = benchlib.usage_error("overhead", ["--tiny", "--modes", "none,bubbel", "--out",
+                                            str(tmp_path)], capsys)
+    assert "unknown mode(s) bubbel" in err and "bubble-dcp-save" in err
     assert not (tmp_path / "overhead.json").exists()
 
 
@@ -192,8 +189,9 @@ def _running_busy_loops() -> list[str]:
     return found
 
 
-def test_overhead_benchmark_rejects_negative_busy(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--tiny",
-                           "--busy", "-1", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--busy must be >= 0, got -1" in proc.stderr
+def test_overhead_benchmark_rejects_negative_busy(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    err = benchlib.usage_error("overhead", ["--tiny", "--busy", "-1", "--out", str(tmp_path)],
+                               capsys)
+    assert "--busy must be >= 0, got -1" in err
+    assert not (tmp_path / "overhead.json").exists()
