@@ -211,7 +211,12 @@ def run(size: dict[str, Any], seconds: float, repeats: int, *, idle_priority: bo
     cores = sorted(os.sched_getaffinity(0))
     core_a = cores[0]
     core_b = core_a if same_core else cores[1]
-    ctx = mp.get_context("spawn")
+    # Each process forks from a server that has imported torch once: spawned, every window's
+    # worker spent seconds of CPU importing it before the window could start.
+    ctx = mp.get_context("forkserver")
+    # This script when it is the main one (what it imports, overhead.py and torch among them);
+    # else the package, which imports torch (a name not on the installed path is skipped).
+    ctx.set_forkserver_preload(["__main__", "bubbleguard.train"])
     commands, a_results = ctx.Queue(), ctx.Queue()
     microbatches = SAME_CORE_MICROBATCHES if same_core else 1
     trainer = ctx.Process(target=_trainer,
