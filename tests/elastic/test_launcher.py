@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bubbleguard.elastic import launcher
+from bubbleguard.elastic import forking
 from bubbleguard.elastic.launcher import LaunchError, RankError, describe_failure, launch_local
 
 PEER_GONE = ("RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4242. "
@@ -103,7 +103,7 @@ def test_forked_ranks_see_the_environment_and_stderr_of_their_launch(
                          "threads": 1, "parent": first[0]["parent"]} for r in (0, 1)}
     assert second == {r: {"rank": str(r), "tag": "second", "stale": None, "threads": 2,
                           "parent": first[0]["parent"]} for r in (0, 1)}
-    assert launcher._server is not None and first[0]["parent"] == launcher._server[0]
+    assert forking._server is not None and first[0]["parent"] == forking._server[0]
     err = capfd.readouterr().err
     for tag in ("first", "second"):
         for rank in (0, 1):

@@ -12,21 +12,14 @@ every rank records the exception it raises (with the time) before its process ex
 launcher reports the root cause first: errors that are not a lost peer, oldest first, then the
 lost-peer errors they caused.
 
-Ranks start from a fork server (``multiprocessing``'s ``forkserver``) that has imported torch and
-:mod:`bubbleguard.train` once per launching process: a spawned rank spends ~4 s of CPU importing
-them, a forked one nothing, which a torchrun restart and every later launch from the same
-process (a test suite, a benchmark) save. A forked rank inherits the environment the server
-had when it started, not the launcher's, so each rank puts the launcher's environment back
-(with torchrun's own variables on top) before the entrypoint runs. Where the fork server is
-not ours to control (another part of the process started it first) ranks are spawned.
+Ranks are forked from a server that imported torch once (:mod:`bubbleguard.elastic.forking`),
+with what a spawned rank would have had: the launcher's environment, stdout and stderr.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
-import multiprocessing
 import os
 import re
 import shutil
@@ -36,13 +29,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from multiprocessing import context, forkserver, reduction
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from bubbleguard.elastic.forking import process_target
 
 __all__ = ["LaunchError", "RankError", "describe_failure", "free_port", "launch_local"]
 
@@ -78,27 +71,14 @@ class _Recorded(Generic[T]):
     a rank whose exit is slow still has its error on record when its peers fail because of it.
     """
 
-    def __init__(self, entrypoint: Callable[..., T], error_dir: str,
-                 environ: dict[str, str], server_environ: dict[str, str] | None) -> None:
+    def __init__(self, entrypoint: Callable[..., T], error_dir: str) -> None:
         self.entrypoint = entrypoint
         self.error_dir = error_dir
-        self.environ = environ  # the launcher's, to be the rank's
-        self.server_environ = server_environ  # what a forked rank inherited (None: spawned)
         # torchrun names the job (and its events) after the entrypoint.
         self.__name__ = getattr(entrypoint, "__name__", "entrypoint")
         self.__qualname__ = getattr(entrypoint, "__qualname__", self.__name__)
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        if self.server_environ is not None and context.get_spawning_popen() is not None:
-            # A forked rank's stdout and stderr are the fork server's: send it the launcher's.
-            state["stdio"] = {fd: reduction.DupFd(fd) for fd in (1, 2) if _is_open(fd)}
-        return state
-
     def __call__(self, *args: Any) -> T:
-        forked = self.server_environ is not None
-        if forked:
-            self._as_if_spawned()
         try:
             return self.entrypoint(*args)
         except BaseException as exc:
@@ -108,73 +88,6 @@ class _Recorded(Generic[T]):
             with contextlib.suppress(OSError):  # the error itself matters more than its record
                 (Path(self.error_dir) / name).write_text(json.dumps(record))
             raise
-        finally:
-            if forked:  # a forked process ends in os._exit, which skips them
-                atexit._run_exitfuncs()
-
-    def _as_if_spawned(self) -> None:
-        """Give a forked rank what a spawned one would have: the launcher's environment,
-        stdout, stderr and torch thread count."""
-        assert self.server_environ is not None
-        _restore_environ(self.environ, self.server_environ)
-        for fd, dup in getattr(self, "stdio", {}).items():
-            new = dup.detach()
-            os.dup2(new, fd)
-            os.close(new)
-        # OpenMP read OMP_NUM_THREADS when the server loaded torch, from the server's
-        # environment; a spawned rank's would have read the launcher's.
-        with contextlib.suppress(KeyError, ValueError):
-            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
-
-
-def _restore_environ(launcher: dict[str, str], server: dict[str, str]) -> None:
-    """Make a forked rank's environment the launcher's, plus what torchrun's agent set.
-
-    The rank started with the fork server's environment (``server``), onto which the agent
-    wrote its variables (``RANK``, ``MASTER_PORT``, ...): those are the entries that differ from
-    ``server``. (One the agent set to the server's own value is taken from the launcher's.)
-    """
-    agent = {k: v for k, v in os.environ.items() if server.get(k) != v}
-    os.environ.clear()
-    os.environ.update(launcher)
-    os.environ.update(agent)
-
-
-# (pid, environment) of the fork server this module started, while it runs.
-_server: tuple[int, dict[str, str]] | None = None
-PRELOAD = ["bubbleguard.train"]  # what the fork server imports for the ranks
-
-
-def _fork_server() -> dict[str, str] | None:
-    """Start (or reuse) the fork server; the environment its children inherit.
-
-    None where ranks must be spawned instead: no ``forkserver`` start method here, or a fork
-    server that another part of this process started (its environment is unknown). Call it
-    with the environment the ranks should see in place: a server started now inherits it.
-    """
-    global _server
-    server = getattr(forkserver, "_forkserver", None)
-    if "forkserver" not in multiprocessing.get_all_start_methods() or server is None:
-        return None
-    running = getattr(server, "_forkserver_pid", "unknown")
-    if running == "unknown" or (running is not None and (_server is None
-                                                        or running != _server[0])):
-        return None
-    if running is None:
-        forkserver.set_forkserver_preload(PRELOAD)
-    server.ensure_running()  # starts it, or again if it died
-    pid = server._forkserver_pid
-    if _server is None or _server[0] != pid:
-        _server = (pid, dict(os.environ))
-    return _server[1]
 
 
 def _recorded_errors(error_dir: str, attempt: int) -> dict[int, RankError]:
@@ -246,7 +159,7 @@ def launch_local(entrypoint: Callable[..., T], args: tuple[Any, ...], num_ranks:
 
     Args:
         entrypoint: a module-level function (ranks are forked from a fork server, or
-            spawned; see the module docstring).
+            spawned: :func:`bubbleguard.elastic.forking.process_target`).
         args: its arguments (picklable).
         num_ranks: processes to start.
         max_restarts: times torchrun restarts the whole group after a failure.
@@ -263,7 +176,7 @@ def launch_local(entrypoint: Callable[..., T], args: tuple[Any, ...], num_ranks:
     error_dir = tempfile.mkdtemp(prefix="bubbleguard-errors-")
     try:
         with _environment(env):  # the ranks get it; the caller's process gets it back
-            server_environ = _fork_server()
+            start_method, target = process_target(_Recorded(entrypoint, error_dir))
             config = LaunchConfig(
                 min_nodes=1,
                 max_nodes=1,
@@ -275,10 +188,9 @@ def launch_local(entrypoint: Callable[..., T], args: tuple[Any, ...], num_ranks:
                 max_restarts=max_restarts,
                 monitor_interval=0.1,
                 local_addr="127.0.0.1",
-                start_method="spawn" if server_environ is None else "forkserver",
+                start_method=start_method,
             )
-            wrapped = _Recorded(entrypoint, error_dir, dict(os.environ), server_environ)
-            return elastic_launch(config, wrapped)(*args)
+            return elastic_launch(config, target)(*args)
     except ChildFailedError as exc:
         # The group gave up after max_restarts restarts: the last attempt's errors are the story.
         agent = {rank: RankError(rank, float(f.timestamp), _agent_message(f.message, f.exitcode))
