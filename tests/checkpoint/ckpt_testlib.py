@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from bubbleguard.checkpoint.state import StageState
+from bubbleguard.elastic.forking import process_target
 
 NUM_BLOCKS = 4
 DIM = 16
@@ -115,10 +116,11 @@ def _entry(
 def run_ranks(
     fn: Callable[..., None], world: int, tmp: str, *args: Any, timeout_s: float = 180
 ) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes on one gloo group."""
+    """Run ``fn(rank, world, *args)`` in ``world`` new processes on one gloo group."""
     store = os.path.join(tmp, f"store-{time.monotonic_ns()}")
+    method, target = process_target(_entry)
     ctx = mp.start_processes(
-        _entry, args=(fn, world, store, args), nprocs=world, join=False, start_method="spawn"
+        target, args=(fn, world, store, args), nprocs=world, join=False, start_method=method
     )
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -10,6 +10,7 @@ import pytest
 
 from bubbleguard.checkpoint.state import restore_state
 from bubbleguard.checkpoint.tiers.shm import MemoryTier
+from bubbleguard.elastic.forking import process_target
 from tests.checkpoint.ckpt_testlib import (
     make_training,
     seed_all,
@@ -25,9 +26,8 @@ def test_killed_run_resumes_with_identical_losses(tmp_path: Path) -> None:
     model, opt, sched = make_training()
     uninterrupted = [train_step(model, opt, sched, s) for s in range(1, 9)]
 
-    child = multiprocessing.get_context("spawn").Process(
-        target=train_with_snapshots_then_die, args=(str(tmp_path), 6)
-    )
+    method, target = process_target(train_with_snapshots_then_die)
+    child = multiprocessing.get_context(method).Process(target=target, args=(str(tmp_path), 6))
     child.start()
     child.join(60)
     assert child.exitcode == -signal.SIGKILL

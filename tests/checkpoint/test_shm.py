@@ -19,6 +19,7 @@ from bubbleguard.checkpoint.errors import CorruptSnapshotError, IncompleteCheckp
 from bubbleguard.checkpoint.layout import NATIVE_COPY_AVAILABLE
 from bubbleguard.checkpoint.state import StageState
 from bubbleguard.checkpoint.tiers.shm import MemoryTier, remove_job, shm_job_dir
+from bubbleguard.elastic.forking import process_target
 from tests.checkpoint.ckpt_testlib import (
     assert_same_state,
     assert_same_tensors,
@@ -163,8 +164,9 @@ def test_corrupt_chunk_is_named_and_the_older_slot_is_used(tier: MemoryTier) -> 
 
 
 def test_snapshot_survives_sigkill_of_the_writer(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=write_then_die, args=(str(tmp_path), "crash", CHUNK))
+    method, target = process_target(write_then_die)
+    child = multiprocessing.get_context(method).Process(target=target,
+                                                        args=(str(tmp_path), "crash", CHUNK))
     child.start()
     child.join(60)
     assert child.exitcode == -signal.SIGKILL

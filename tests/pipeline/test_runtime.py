@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bubbleguard.elastic.forking import process_target
 from bubbleguard.models import build_model, lm_loss
 from bubbleguard.pipeline.layout import Layout
 from bubbleguard.pipeline.runtime import PipelineJob
@@ -125,7 +126,9 @@ def _reference(case: Case) -> dict[str, object]:
 def pipeline_results() -> dict[int, list[dict]]:
     world = max(c.world_size for c in CASES)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(CASES, os.path.join(tmp, "store"), tmp), nprocs=world, join=True)
+        method, target = process_target(_worker)
+        mp.start_processes(target, args=(CASES, os.path.join(tmp, "store"), tmp), nprocs=world,
+                           start_method=method)
         per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=True)
                     for r in range(world)]
     return {i: [per_rank[r][i] for r in range(c.world_size)] for i, c in enumerate(CASES)}

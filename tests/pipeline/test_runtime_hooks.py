@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bubbleguard.elastic.forking import process_target
 from bubbleguard.models import build_model, lm_loss
 from bubbleguard.pipeline.runtime import PipelineJob
 from bubbleguard.pipeline.schedules import ActionKind
@@ -143,7 +144,9 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"), tmp), nprocs=2, join=True)
+        method, target = process_target(_worker)
+        mp.start_processes(target, args=(os.path.join(tmp, "store"), tmp), nprocs=2,
+                           start_method=method)
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
 
 
@@ -278,7 +281,9 @@ def _failing_worker(rank: int, store_path: str, out_dir: str) -> None:
 @pytest.mark.timeout(120)
 def test_an_error_in_bubble_work_is_raised_by_step_on_the_training_thread(
         tmp_path: Path) -> None:
-    mp.spawn(_failing_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    method, target = process_target(_failing_worker)
+    mp.start_processes(target, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method=method)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert r1 == {"outcome": "OSError 28 No space left on device /dev/shm/bubbleguard",
                   "step_count": 2}
