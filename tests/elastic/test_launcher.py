@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
+import subprocess
 import sys
 import time
 from typing import Any
@@ -108,3 +110,27 @@ def test_forked_ranks_see_the_environment_and_stderr_of_their_launch(
     for tag in ("first", "second"):
         for rank in (0, 1):
             assert f"rank {rank} of the {tag} launch writes to the launcher's stderr" in err
+
+
+def _threads(results: Any) -> None:
+    results.put(torch.get_num_threads())
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_process_without_omp_num_threads_gets_the_default_thread_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a process spawned without OMP_NUM_THREADS gets, although the fork server may have
+    started during a launch that set it (launch_local sets it for its ranks)."""
+    launch_local(_report, ("threads",), 2)  # starts the fork server if no test did yet
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    spawned = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                             capture_output=True, text=True, check=True, timeout=60)
+    method, target = forking.process_target(_threads)
+    assert method == "forkserver"
+    ctx = multiprocessing.get_context(method)
+    results = ctx.Queue()
+    child = ctx.Process(target=target, args=(results,))
+    child.start()
+    forked = results.get(timeout=60)
+    child.join(60)
+    assert forked == int(spawned.stdout)

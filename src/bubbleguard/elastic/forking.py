@@ -10,7 +10,8 @@ A forked process inherits what the fork server had when it started, not what its
 now, so :func:`process_target` wraps the process's function to put back what a spawned one
 would have: the launcher's environment (with variables set for the child on top, as torchrun's
 agent sets ``RANK``...), its stdout and stderr (sent as file descriptors), ``OMP_NUM_THREADS``
-applied to torch (OpenMP read it once, in the server), and ``atexit`` handlers run at the end
+applied to torch (OpenMP read its thread count once, in the server, which starts without
+that variable so that the default is a spawned process's), and ``atexit`` handlers run at the end
 (a forked process ends in ``os._exit``). Where the fork server is not ours to control (another
 part of the process started it first; its environment is unknown) processes are spawned.
 """
@@ -32,6 +33,8 @@ __all__ = ["PRELOAD", "process_target"]
 T = TypeVar("T")
 
 PRELOAD = ["bubbleguard.train"]  # what the fork server imports (torch and the whole runtime)
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # kept out of the server's environment
 
 # (pid, environment) of the fork server this module started, while it runs.
 _server: tuple[int, dict[str, str]] | None = None
@@ -120,8 +123,14 @@ def _fork_server() -> dict[str, str] | None:
         return None
     if running is None:
         forkserver.set_forkserver_preload(PRELOAD)
-    server.ensure_running()  # starts it, or again if it died
-    pid = server._forkserver_pid
-    if _server is None or _server[0] != pid:
-        _server = (pid, dict(os.environ))
+    # OpenMP reads its thread count once, when the server loads torch: without these variables
+    # it picks the default a spawned process without them would (each child sets its own).
+    saved = {k: os.environ.pop(k) for k in THREAD_VARIABLES if k in os.environ}
+    try:
+        server.ensure_running()  # starts it, or again if it died
+        pid = server._forkserver_pid
+        if _server is None or _server[0] != pid:
+            _server = (pid, dict(os.environ))
+    finally:
+        os.environ.update(saved)
     return _server[1]
