@@ -61,6 +61,7 @@ import torch
 from bubbleguard.checkpoint.state import capture_state
 from bubbleguard.checkpoint.tiers.durable import DurableTier
 from bubbleguard.checkpoint.tiers.shm import MemoryTier
+from bubbleguard.elastic.forking import process_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import bench_size, stage_state, stage_zero  # noqa: E402
@@ -211,15 +212,14 @@ def run(size: dict[str, Any], seconds: float, repeats: int, *, idle_priority: bo
     cores = sorted(os.sched_getaffinity(0))
     core_a = cores[0]
     core_b = core_a if same_core else cores[1]
-    # Each process forks from a server that has imported torch once: spawned, every window's
-    # worker spent seconds of CPU importing it before the window could start.
-    ctx = mp.get_context("forkserver")
-    # This script when it is the main one (what it imports, overhead.py and torch among them);
-    # else the package, which imports torch (a name not on the installed path is skipped).
-    ctx.set_forkserver_preload(["__main__", "bubbleguard.train"])
+    # Both processes fork from the launcher's server, which imported torch once: spawned, every
+    # window's worker spent seconds of CPU importing it before the window could start.
+    method, trainer_target = process_target(_trainer)
+    _, worker_target = process_target(_worker)
+    ctx = mp.get_context(method)
     commands, a_results = ctx.Queue(), ctx.Queue()
     microbatches = SAME_CORE_MICROBATCHES if same_core else 1
-    trainer = ctx.Process(target=_trainer,
+    trainer = ctx.Process(target=trainer_target,
                           args=(size, core_a, gap_s, microbatches, commands, a_results))
     trainer.start()
     for kind in ("snapshot", "plain_copy"):  # warm-up: maps and touches every buffer
@@ -235,7 +235,7 @@ def run(size: dict[str, Any], seconds: float, repeats: int, *, idle_priority: bo
                 measuring, stop, b_results = ctx.Event(), ctx.Event(), ctx.Queue()
                 # Same core: A copies in its own pauses; B only persists.
                 b_kind = "idle" if same_core and kind != "persist" else kind
-                worker = ctx.Process(target=_worker,
+                worker = ctx.Process(target=worker_target,
                                      args=(size, b_kind, core_b, idle_priority, measuring, stop,
                                            b_results))
                 worker.start()

@@ -117,9 +117,8 @@ def _fork_server() -> dict[str, str] | None:
     server = getattr(forkserver, "_forkserver", None)
     if "forkserver" not in multiprocessing.get_all_start_methods() or server is None:
         return None
-    running = getattr(server, "_forkserver_pid", "unknown")
-    if running == "unknown" or (running is not None and (_server is None
-                                                        or running != _server[0])):
+    running = getattr(server, "_forkserver_pid", "unknown")  # None: not started yet
+    if running is not None and running != (_server[0] if _server else None):
         return None
     if running is None:
         forkserver.set_forkserver_preload(PRELOAD)
