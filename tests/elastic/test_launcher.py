@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -79,6 +80,28 @@ def test_a_rank_that_fails_alone_is_reported_with_its_error_text() -> None:
 def _raise_on_rank_zero() -> None:
     if os.environ["RANK"] == "0":
         raise KeyError("no such step")
+
+
+def test_launches_leave_nothing_in_the_temporary_directory(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's log directory (made on every launch) and torch's per-rank traceback files
+    (made when a rank raises, never deleted by torch) go when the launch ends."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the launching process makes them
+    assert launch_local(_report, ("clean",), 2)[1]["rank"] == "1"
+    assert _left_in(scratch) == []
+    with pytest.raises(LaunchError, match="KeyError: 'no such step'"):
+        launch_local(_raise_on_rank_zero, (), 2, max_restarts=1)  # two attempts fail
+    assert _left_in(scratch) == []
+
+
+def _left_in(directory: Any) -> list[str]:
+    # Not the launch's: multiprocessing's directory (the fork server's socket, if this test
+    # started the server; removed when the test process exits) and torch's compile cache (one
+    # per user, made when torch's log formatter first imports torch._dynamo, to log a failure).
+    return sorted(p.name for p in directory.iterdir()
+                  if not p.name.startswith(("pymp-", "torchinductor_")))
 
 
 def _report(tag: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -49,6 +51,8 @@ class LaunchError(RuntimeError):
 # What a rank raises when a peer's process went away: a consequence, never the root cause.
 PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Timed out waiting|"
                        r"connection refused", re.IGNORECASE)
+
+_TORCH_ERROR_FILE = re.compile(r"^pytorch-errorfile-[\w-]+\.pickle$")
 
 
 @dataclass(frozen=True)
@@ -82,12 +86,37 @@ class _Recorded(Generic[T]):
         try:
             return self.entrypoint(*args)
         except BaseException as exc:
-            record = {"time": time.time(), "text": f"{type(exc).__name__}: {exc}"}
+            record = {"time": time.time(), "text": f"{type(exc).__name__}: {exc}",
+                      "torch_error_file": _torch_error_file()}
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             name = f"attempt{attempt}-rank{os.environ.get('RANK', '?')}.json"
             with contextlib.suppress(OSError):  # the error itself matters more than its record
                 (Path(self.error_dir) / name).write_text(json.dumps(record))
             raise
+
+
+def _torch_error_file() -> str | None:
+    """The file torch's process wrapper writes this process's traceback to once the exception
+    leaves the entrypoint (it is the last argument of the process's target, a
+    ``pytorch-errorfile-*.pickle`` in the launcher's temporary directory). The launcher reads
+    it and torch never deletes it, so the rank names it for the launcher to remove."""
+    args = getattr(multiprocessing.current_process(), "_args", ())
+    name = args[-1] if args else None
+    if isinstance(name, str) and _TORCH_ERROR_FILE.match(os.path.basename(name)):
+        return name
+    return None
+
+
+def _remove_torch_error_files(error_dir: str) -> None:
+    """Delete the traceback files the failed ranks of every attempt named (read by now)."""
+    for path in Path(error_dir).glob("attempt*-rank*.json"):
+        try:
+            name = json.loads(path.read_text()).get("torch_error_file")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(name, str) and _TORCH_ERROR_FILE.match(os.path.basename(name)):
+            with contextlib.suppress(OSError):
+                os.unlink(name)
 
 
 def _recorded_errors(error_dir: str, attempt: int) -> dict[int, RankError]:
@@ -173,7 +202,11 @@ def launch_local(entrypoint: Callable[..., T], args: tuple[Any, ...], num_ranks:
     # group then reads the dead group's gloo addresses (stale keys: "connection refused"). With
     # sharing off, rank 0 of every attempt hosts a fresh store on a fresh port.
     env = {"OMP_NUM_THREADS": str(threads_per_rank), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    error_dir = tempfile.mkdtemp(prefix="bubbleguard-errors-")
+    # The ranks' error records and torchrun's log directory (made on every launch, which would
+    # otherwise leave a torchelastic_* directory behind each time) live and go with the launch.
+    launch_dir = tempfile.mkdtemp(prefix="bubbleguard-launch-")
+    error_dir = os.path.join(launch_dir, "errors")
+    os.mkdir(error_dir)
     try:
         with _environment(env):  # the ranks get it; the caller's process gets it back
             start_method, target = process_target(_Recorded(entrypoint, error_dir))
@@ -189,6 +222,7 @@ def launch_local(entrypoint: Callable[..., T], args: tuple[Any, ...], num_ranks:
                 monitor_interval=0.1,
                 local_addr="127.0.0.1",
                 start_method=start_method,
+                logs_specs=DefaultLogsSpecs(log_dir=os.path.join(launch_dir, "logs")),
             )
             return elastic_launch(config, target)(*args)
     except ChildFailedError as exc:
@@ -198,4 +232,5 @@ def launch_local(entrypoint: Callable[..., T], args: tuple[Any, ...], num_ranks:
         recorded = _recorded_errors(error_dir, attempt=max_restarts)
         raise LaunchError(describe_failure(recorded, agent)) from exc
     finally:
-        shutil.rmtree(error_dir, ignore_errors=True)
+        _remove_torch_error_files(error_dir)
+        shutil.rmtree(launch_dir, ignore_errors=True)
