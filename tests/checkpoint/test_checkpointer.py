@@ -31,6 +31,8 @@ def test_single_process_resume_continues_bit_identically(tmp_path: Path) -> None
     assert ckpt.resume(cursor.load_state_dict).step == 0
     first = train_job(job, cursor, 0, 4)
     ckpt.close()
+    # The newest step is durable, so the job's shared memory is gone, commit marker included.
+    assert [p.name for p in (tmp_path / "shm").glob("*/*")] == []
 
     job, cursor = _job(), Cursor()
     ckpt = Checkpointer(job, config, data_state=cursor.state_dict)

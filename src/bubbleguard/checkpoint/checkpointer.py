@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -548,10 +547,10 @@ class BubbleStrategy(SnapshotStrategy):
                           f"the first, of step {skipped[0].step}: {skipped[0].error}", stacklevel=2)
         if results and results[-1].persisted and results[-1].step == self.finished:
             # The newest step is durable, so this rank's shared memory can go; a later --resume
-            # reads the durable tier. The job directory stays: another rank may still be
-            # writing the commit marker into it.
-            self.memory.close()
-            shutil.rmtree(self.memory.rank_dir, ignore_errors=True)
+            # reads the durable tier. The job directory (and its commit marker) goes with the
+            # last rank directory: rank 0, which writes the marker, removes its own only after
+            # its last commit, and a rank that kept its snapshots keeps the marker too.
+            self.memory.cleanup()
         else:
             # Keep the snapshots: they may be the only copy of the newest state.
             self.memory.close()
