@@ -202,8 +202,8 @@ def test_commit_marker_needs_every_rank(tmp_path: Path) -> None:
 def test_commit_reads_each_record_once_and_sees_replacements(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """commit() is retried in every wait until the last rank is done: a retry that finds no
-    new record parses nothing, and a record replaced since (a newer step, or garbage) is read
-    again."""
+    new record parses nothing, a record replaced since (a newer step, or garbage) is read again,
+    and the committing rank's own records, which it wrote, are never parsed."""
     from bubbleguard.checkpoint.tiers import shm
 
     parsed: list[str] = []
@@ -222,10 +222,10 @@ def test_commit_reads_each_record_once_and_sees_replacements(
     for _ in range(3):
         with pytest.raises(IncompleteCheckpointError, match=r"ranks \[1\]"):
             r0.commit(1)
-    assert parsed == ["slot0.json"]  # rank 0's record, once; rank 1 has none
+    assert parsed == []  # rank 0 knows its own record; rank 1 has none
     r1.write(other)
     r0.commit(1)
-    assert parsed == ["slot0.json", "slot0.json"] and r0.latest() == 1
+    assert parsed == ["slot0.json"] and r0.latest() == 1  # rank 1's, once
     # Step 2 on both ranks: one new record each, read once.
     from bubbleguard.checkpoint.state import capture_state
 
@@ -235,7 +235,7 @@ def test_commit_reads_each_record_once_and_sees_replacements(
     parsed.clear()
     r0.commit(2)
     r0.commit(2)
-    assert parsed == ["slot1.json", "slot1.json"] and r0.latest() == 2
+    assert parsed == ["slot1.json"] and r0.latest() == 2
     # Rank 1's record of step 2 replaced by garbage (a new file, as every record is written):
     # step 2 is no longer complete there; the marker written before stays.
     garbage = r1.rank_dir / "slot1.json.tmp"
@@ -246,6 +246,40 @@ def test_commit_reads_each_record_once_and_sees_replacements(
     assert r0.latest() == 2
     r0.cleanup()
     r1.cleanup()
+
+
+def test_hold_rebuilds_only_the_record_of_its_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A persist holds one step: the helper's tier (a reader) rebuilds that record's layout
+    only, and the writer's tier, which made the records, rebuilds none."""
+    from bubbleguard.checkpoint.state import capture_state
+    from bubbleguard.checkpoint.tiers import shm
+
+    rebuilt: list[str] = []
+    real = shm._load_record_file
+
+    def counting(path: str | Path) -> shm.SnapshotRecord | None:
+        rebuilt.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(shm, "_load_record_file", counting)
+    model, opt, sched, state = trained_state(1)
+    writer = MemoryTier("j", 0, root=tmp_path, chunk_bytes=CHUNK)
+    writer.write(state)
+    reader = MemoryTier("j", 0, root=tmp_path, create=False)  # knows step 1's record
+    for step in (2, 3):  # two more slots, changed since the reader looked
+        train_step(model, opt, sched, step)
+        writer.write(capture_state(model, opt, sched, step=step))
+    rebuilt.clear()
+    with writer.hold(2) as mine:
+        assert mine.step == 2 and rebuilt == []
+    with reader.hold(2) as record:
+        assert record.step == 2 and rebuilt == [f"slot{record.slot}.json"]
+    with reader.hold(2):  # unchanged since: nothing to rebuild
+        assert rebuilt == [f"slot{record.slot}.json"]
+    with pytest.raises(FileNotFoundError, match="holds no complete snapshot of step 9"):
+        reader.hold(9).__enter__()
+    writer.cleanup()
 
 
 def test_begin_waits_for_a_held_slot(tier: MemoryTier) -> None:
