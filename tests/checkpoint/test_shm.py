@@ -88,6 +88,28 @@ def test_a_mapped_snapshot_is_the_slot_file_itself_checked(tier: MemoryTier) -> 
         pass
 
 
+def test_a_mapped_snapshot_follows_its_slot_file_when_it_is_replaced(tier: MemoryTier) -> None:
+    """The mapping kept between persists is of the file that is there now: a slot file
+    replaced by a short one, or gone, is named as such, not read through the old mapping."""
+    *_, state = trained_state(2)
+    tier.write(state)
+    record = tier.records()[0]
+    data = tier.rank_dir / f"slot{record.slot}.bin"
+    with tier.mapped(2) as snap:
+        assert_same_state(snap, state)
+    short = data.with_suffix(".tmp")
+    short.write_bytes(data.read_bytes()[:100])
+    os.replace(short, data)
+    with pytest.raises(CorruptSnapshotError, match=rf"{data} holds 100 bytes, its record "
+                                                   rf"expects {record.layout.total_bytes}"), \
+            tier.mapped(2):
+        pass
+    data.unlink()
+    with pytest.raises(CorruptSnapshotError, match=f"data file {data} is missing"), \
+            tier.mapped(2):
+        pass
+
+
 def test_readers_see_every_slot_a_writer_used(tmp_path: Path) -> None:
     # A GPU job's tier keeps three slots; its persist helper and a later resume open the tier
     # without saying how many: the files tell them.

@@ -381,6 +381,8 @@ class MemoryTier(Tier):
             self._load_record(i) for i in range(num_slots)
         ]
         self._pins = [0] * num_slots
+        # mapped(): read-only mappings of the slot files, by slot: ((inode, size), mapping).
+        self._read_maps: dict[int, tuple[tuple[int, int], mmap.mmap]] = {}
         self._cond = threading.Condition(threading.RLock())
         self._writing_slot: int | None = None
         self._layout: ChunkLayout | None = None
@@ -735,8 +737,9 @@ class MemoryTier(Tier):
             FileNotFoundError: no complete snapshot of ``step`` on this rank.
             CorruptSnapshotError: a chunk fails its checksum (names the chunk and the file).
         """
-        with self.hold(step) as record, map_snapshot(self.rank_dir, record) as state:
-            yield state
+        with self.hold(step) as record:
+            yield _verified_state(record, self._mapped_region(record),
+                                  self._data_path(record.slot))
 
     @contextmanager
     def hold(self, step: int) -> Iterator[SnapshotRecord]:
@@ -771,6 +774,9 @@ class MemoryTier(Tier):
             if s is not None:
                 s.close()
                 self._slots[i] = None
+        for _, mm in self._read_maps.values():
+            _close_mapping(mm)
+        self._read_maps.clear()
 
     def cleanup(self) -> None:
         """Close and delete this rank's snapshots; the job directory goes when it is empty."""
@@ -809,6 +815,42 @@ class MemoryTier(Tier):
             current.close()
         self._slots[slot] = _Slot(self._data_path(slot), num_bytes)
         return self._slots[slot]  # type: ignore[return-value]
+
+    def _mapped_region(self, record: SnapshotRecord) -> torch.Tensor:
+        """The bytes of ``record``'s slot file, read-only, not verified.
+
+        Each slot's mapping is kept for the next persist while its file is the same (inode and
+        size): a fresh mapping of a 45 MB slot faulted in its ~11,000 pages again each time,
+        which doubled the checksum pass (13 against 5.5 ms, scratch measurement).
+
+        Raises:
+            CorruptSnapshotError: the data file is missing or shorter than the record says.
+        """
+        path = self._data_path(record.slot)
+        total = record.layout.total_bytes
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise CorruptSnapshotError(
+                f"snapshot of step {record.step}: data file {path} is missing") from None
+        if st.st_size < max(total, 1):
+            raise CorruptSnapshotError(f"snapshot of step {record.step}: {path} holds "
+                                       f"{st.st_size} bytes, its record expects {total}")
+        key = (st.st_ino, st.st_size)
+        cached = self._read_maps.get(record.slot)
+        if cached is None or cached[0] != key:
+            if cached is not None:
+                _close_mapping(cached[1])
+            with open(path, "rb") as f:
+                cached = self._read_maps[record.slot] = (
+                    key, mmap.mmap(f.fileno(), st.st_size, prot=mmap.PROT_READ))
+        if not total:
+            return torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            # Read-only memory: torch warns that writing to these tensors is undefined; they
+            # are only read (serialised).
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(cached[1], dtype=torch.uint8)[:total]
 
     def _slot_of(self, step: int) -> int | None:
         """The slot holding a complete record of ``step``, from the files; only that record's
@@ -875,41 +917,9 @@ def read_snapshot(rank_dir: Path, record: SnapshotRecord, *,
     return _verified_state(record, buf, path)
 
 
-@contextmanager
-def map_snapshot(rank_dir: Path, record: SnapshotRecord) -> Iterator[StageState]:
-    """The snapshot ``record`` describes, verified, as tensors over a read-only mapping of its
-    slot file: no copy of the bytes (see :meth:`MemoryTier.mapped`).
-
-    Raises:
-        CorruptSnapshotError: data missing, short, or a chunk failing its checksum.
-    """
-    path = rank_dir / f"slot{record.slot}.bin"
-    total = record.layout.total_bytes
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < max(total, 1):
-                raise CorruptSnapshotError(f"snapshot of step {record.step}: {path} holds {size} "
-                                           f"bytes, its record expects {total}")
-            mm = mmap.mmap(f.fileno(), max(total, 1), prot=mmap.PROT_READ)
-    except FileNotFoundError:
-        raise CorruptSnapshotError(
-            f"snapshot of step {record.step}: data file {path} is missing") from None
-    region: torch.Tensor | None = None
-    state: StageState | None = None
-    try:
-        with warnings.catch_warnings():
-            # Read-only memory: torch warns that writing to these tensors is undefined; they
-            # are only read (serialised).
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            region = (torch.frombuffer(mm, dtype=torch.uint8)[:total] if total
-                      else torch.empty(0, dtype=torch.uint8))
-        state = _verified_state(record, region, path)
-        yield state
-    finally:
-        region = state = None  # our references go before the mapping
-        with contextlib.suppress(BufferError):
-            mm.close()  # unless the caller still holds a tensor: then the mapping goes with it
+def _close_mapping(mm: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):
+        mm.close()  # unless a caller still holds a tensor over it: then it goes with the tensor
 
 
 def _verified_state(record: SnapshotRecord, buf: torch.Tensor, path: Path) -> StageState:
