@@ -62,6 +62,11 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, compact: bool =
     Indented for people by default; ``compact`` uses the C encoder (no indent), about ten
     times faster for records written on the training's critical path.
     """
+    atomic_write_bytes(path, json_bytes(obj, compact=compact))
+
+
+def json_bytes(obj: Any, *, compact: bool = False) -> bytes:
+    """``obj`` as a line of JSON: indented and sorted, or ``compact`` (see above)."""
     text = (json.dumps(obj, separators=(",", ":")) if compact
             else json.dumps(obj, indent=2, sort_keys=True))
-    atomic_write_bytes(path, (text + "\n").encode())
+    return (text + "\n").encode()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 
-from bubbleguard.checkpoint.atomic import atomic_write_json
+from bubbleguard.checkpoint.atomic import atomic_write_json, json_bytes
 from bubbleguard.checkpoint.errors import CorruptSnapshotError, IncompleteCheckpointError
 
 MARKER_NAME = "COMMITTED.json"
@@ -109,16 +109,17 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-def write_json(fs: fsspec.AbstractFileSystem, path: str, obj: Any) -> None:
+def write_json(fs: fsspec.AbstractFileSystem, path: str, obj: Any, *,
+               compact: bool = False) -> None:
     """Write ``obj`` as JSON so that a reader sees the old content or the new, never a mix.
 
     Local: temp file + fsync + rename + directory fsync. Other filesystems: one ``pipe_file``,
-    which object stores apply atomically.
+    which object stores apply atomically. ``compact``: as :func:`atomic_write_json`'s.
     """
     if is_local(fs):
-        atomic_write_json(path, obj)
+        atomic_write_json(path, obj, compact=compact)
     else:
-        fs.pipe_file(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+        fs.pipe_file(path, json_bytes(obj, compact=compact))
 
 
 def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any:

@@ -9,8 +9,8 @@ global metadata: 84 ms of user CPU for a 44 MB stage on the dev VM (9 ms replaye
 :class:`DcpLayout` learns, from the files of one ordinary ``dcp.save`` on a local filesystem,
 where each tensor's bytes lie in this rank's data files and keeps everything else (zip headers,
 the pickled records around the bytes, the global ``Metadata``). Writing the next state of the
-same layout is then one ``writev`` per data file, straight from the tensors' memory, and one
-small pickle of the cached metadata with a new ``checkpoint_id`` and ``save_id``: the files are
+same layout is then one ``writev`` per data file, straight from the tensors' memory, and the
+cached metadata's pickle with a new ``checkpoint_id`` and ``save_id``: the files are
 the ones ``dcp.save`` writes for those tensors (with ``torch.serialization.set_crc32_options
 (False)``; the zip records' serialization ids are the first save's), so ``dcp.load`` and
 ``format_utils.dcp_to_torch_save`` read them as they read any DCP checkpoint.
@@ -75,6 +75,8 @@ class DcpLayout:
         self.signature = sig
         self.files = files
         self.metadata = metadata
+        # (pickle, step dir, save id) of the last metadata pickled; see _pickled_metadata.
+        self._pickle_template: tuple[bytes, bytes, bytes] | None = None
 
     @classmethod
     def learn(cls, step_dir: str, metadata: Metadata, tensors: Mapping[str, torch.Tensor],
@@ -125,14 +127,35 @@ class DcpLayout:
 
     def write_metadata(self, step_dir: str) -> None:
         """The coordinator's part: DCP's ``.metadata`` for ``step_dir``, synced, atomically."""
-        metadata = copy.copy(self.metadata)
-        metadata.storage_meta = StorageMeta(checkpoint_id=step_dir, save_id=str(uuid.uuid4()))
         tmp = f"{step_dir}/{_METADATA}.tmp"
         with open(tmp, "wb") as fh:
-            pickle.dump(metadata, fh)
+            fh.write(self._pickled_metadata(step_dir, str(uuid.uuid4())))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, f"{step_dir}/{_METADATA}")  # the commit marker's write syncs the dir
+
+    def _pickled_metadata(self, step_dir: str, save_id: str) -> bytes:
+        """The metadata with ``storage_meta`` naming ``step_dir`` and ``save_id``, pickled.
+
+        Pickling it took 3.4 ms per persist (scratch, a 45 MB stage of ~100 tensors). Only the
+        two strings change between saves, and a step directory's name has a fixed width, so
+        the pickle of the previous save is reused with those two strings replaced in place
+        (a pickled string's length prefix is unchanged); where a string is not found exactly
+        once, or its length differs, the metadata is pickled again.
+        """
+        old = self._pickle_template
+        if old is not None:
+            pickled, old_dir, old_id = old
+            new_dir, new_id = step_dir.encode(), save_id.encode()
+            if (len(new_dir), len(new_id)) == (len(old_dir), len(old_id)):
+                return pickled.replace(old_dir, new_dir).replace(old_id, new_id)
+        metadata = copy.copy(self.metadata)
+        metadata.storage_meta = StorageMeta(checkpoint_id=step_dir, save_id=save_id)
+        pickled = pickle.dumps(metadata)
+        self._pickle_template = None
+        if pickled.count(step_dir.encode()) == 1 and pickled.count(save_id.encode()) == 1:
+            self._pickle_template = (pickled, step_dir.encode(), save_id.encode())
+        return pickled
 
 
 def _learn_file(step_dir: str, name: str, items: list[tuple[int, int, str]],

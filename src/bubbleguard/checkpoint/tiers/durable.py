@@ -196,6 +196,7 @@ class DurableTier(Tier):
                     "local_tensors": {k: _encode(v) for k, v in state.local_tensors.items()},
                     "tensor_names": sorted(state.tensors),
                 },
+                compact=True,  # indenting it took 2 ms of a persist's CPU (Python's encoder)
             )
             local_error: BaseException | None = None
         except OSError as e:
