@@ -104,6 +104,55 @@ def test_a_changed_layout_is_saved_by_dcp_and_then_replayed(tmp_path: Path,
         assert_same_state(tier.read(state.step), state)
 
 
+def _data_file(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}" / "__0_0.distcp"
+
+
+def test_retention_hands_the_oldest_data_file_to_the_next_write(tmp_path: Path,
+                                                                crc_off: None) -> None:
+    root = tmp_path / "ckpt"
+    tier = DurableTier(root, keep_last=2, reuse_layout=True)
+    states = list(_states(5))
+    inodes = {}
+    for state in states:
+        tier.save(state)
+        inodes[state.step] = _data_file(root, state.step).stat().st_ino
+        assert sorted(p.name for p in root.iterdir()) == [
+            f"step-{s:08d}" for s in range(max(1, state.step - 1), state.step + 1)]
+    # Steps 3, 4 and 5 were written into the files of steps 1, 2 and 3 (step 2's write had
+    # nothing to delete: with keep_last=2 the newest committed checkpoint, step 1, stays).
+    assert tier.recycled == 3 and tier.replayed == 4
+    assert (inodes[3], inodes[4], inodes[5]) == (inodes[1], inodes[2], inodes[1])
+    for state in states[3:]:
+        assert_same_state(tier.read(state.step), state)
+    fresh = tmp_path / "fresh"
+    dcp.save(dict(states[4].tensors), checkpoint_id=str(fresh), no_dist=True)
+    assert _data_file(root, 5).read_bytes() == (fresh / "__0_0.distcp").read_bytes()
+
+
+def test_a_half_written_data_file_is_not_overwritten_in_place(tmp_path: Path,
+                                                              crc_off: None) -> None:
+    root = tmp_path / "ckpt"
+    tier = DurableTier(root, keep_last=3, reuse_layout=True)
+    s1, s2, s3, s4 = _states(4)
+    tier.save(s1)
+    tier.save(s2)
+    # A write of step 3 that died midway: half its data file, no marker.
+    shutil.copytree(root / "step-00000002", root / "step-00000003")
+    (root / "step-00000003" / "COMMITTED.json").unlink()
+    half = _data_file(root, 3).stat().st_size // 2
+    with _data_file(root, 3).open("r+b") as fh:
+        fh.truncate(half)
+    tier.save(s4)  # deletes step 3 first: incomplete and older than the step written
+    assert tier.recycled == 0 and tier.replayed == 2
+    assert [(i.step, i.committed) for i in tier.checkpoints()] == [(1, True), (2, True),
+                                                                  (4, True)]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step-00000001", "step-00000002", "step-00000004"]
+    assert_same_state(tier.read(4), s4)
+    assert_same_state(tier.read(1), s1)
+
+
 def test_with_crc32_on_every_write_is_a_dcp_save(tmp_path: Path) -> None:
     assert torch.serialization.get_crc32_options()  # torch's default
     tier = DurableTier(tmp_path, reuse_layout=True)
@@ -152,12 +201,13 @@ def test_full_disk_while_replaying_keeps_the_previous_checkpoint(tmp_path: Path,
 
 def _replay_two_stages(rank: int, world: int, root: str) -> None:
     torch.serialization.set_crc32_options(False)
-    tier = DurableTier(root, keep_last=3, reuse_layout=True)
-    for state in _states(3, blocks=STAGES_OF_2[rank], seed=rank):
+    tier = DurableTier(root, keep_last=2, reuse_layout=True)
+    for state in _states(5, blocks=STAGES_OF_2[rank], seed=rank):
         tier.save(state)
-    flag = torch.tensor([tier.replayed])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    assert int(flag.item()) == 2, "every rank replayed steps 2 and 3"
+    counts = torch.tensor([tier.replayed, tier.recycled])
+    dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+    # Every rank replayed steps 2-5 and wrote 3-5 into its own files of steps 1-3.
+    assert counts.tolist() == [4, 3]
 
 
 @pytest.mark.slow
@@ -167,8 +217,9 @@ def test_two_ranks_replay_and_one_process_reads_the_whole_model(tmp_path: Path) 
     run_ranks(_replay_two_stages, 2, str(tmp_path), str(root))
     tier = DurableTier(root)
     assert [(i.step, i.committed, i.num_ranks) for i in tier.checkpoints()] == [
-        (1, True, 2), (2, True, 2), (3, True, 2)]
-    for step in (1, 2, 3):
+        (4, True, 2), (5, True, 2)]
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000004", "step-00000005"]
+    for step in (4, 5):
         expected: dict[str, torch.Tensor] = {}
         for rank, blocks in STAGES_OF_2.items():
             expected.update(list(_states(step, blocks=blocks, seed=rank))[-1].tensors)

@@ -112,18 +112,34 @@ class DcpLayout:
         """Whether ``tensors`` has the learned names, dtypes and shapes."""
         return signature(tensors) == self.signature
 
-    def write_files(self, step_dir: str, tensors: Mapping[str, torch.Tensor]) -> int:
-        """Write this rank's data files of ``tensors`` into ``step_dir``, synced; the bytes."""
-        total = 0
+    def write_files(self, step_dir: str, tensors: Mapping[str, torch.Tensor],
+                    recycled: str | None = None) -> int:
+        """Write this rank's data files of ``tensors`` into ``step_dir``, synced.
+
+        ``recycled``: a directory holding the files of a checkpoint being deleted. A data file
+        of this layout's name and size found there is moved into ``step_dir`` and overwritten
+        in place (every byte of it is rewritten) instead of a new file being written; see
+        ``DurableTier``'s module docstring.
+
+        Returns:
+            how many data files were overwritten in place.
+        """
+        reused = 0
         for f in self.files:
             buffers = [p if isinstance(p, bytes) else _bytes_of(tensors[p]) for p in f.pieces]
-            fd = os.open(f"{step_dir}/{f.name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            path = f"{step_dir}/{f.name}"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            if recycled is not None and _take(f"{recycled}/{f.name}", path,
+                                              sum(len(b) for b in buffers)):
+                flags &= ~os.O_TRUNC
+                reused += 1
+            fd = os.open(path, flags, 0o644)
             try:
-                total += _write_all(fd, buffers)
+                _write_all(fd, buffers)
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        return total
+        return reused
 
     def write_metadata(self, step_dir: str) -> None:
         """The coordinator's part: DCP's ``.metadata`` for ``step_dir``, synced, atomically."""
@@ -198,6 +214,17 @@ def _data_offset(record: bytes, fqn: str, nbytes: int) -> int:
     if fields[0] != _ZIP_LOCAL_SIGNATURE:
         raise LayoutError(f"no zip entry header where the storage of {fqn} should start")
     return info.header_offset + _ZIP_LOCAL_HEADER.size + fields[9] + fields[10]
+
+
+def _take(src: str, dst: str, size: int) -> bool:
+    """Move file ``src`` to ``dst`` if it is exactly ``size`` bytes; whether it was moved."""
+    try:
+        if os.stat(src).st_size != size:
+            return False
+        os.rename(src, dst)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

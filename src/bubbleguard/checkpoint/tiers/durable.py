@@ -40,6 +40,15 @@ file written 4 s after another was deleted took 28-125 ms of kernel time (0.35-1
 against 13-17 ms right after the delete (a scratch script, 5 tries each); kernel time that a
 persist helper spends on the ranks' cores, where kernel code is not preempted. With
 ``keep_last=1`` the only committed checkpoint stays until the new one commits, as always.
+
+A write that replays a layout (``reuse_layout``) does not even delete: rank 0 deletes the oldest
+of those checkpoints' marker and moves its directory to ``<root>/.recycled``, and every rank
+moves its data file from there into the new step directory and overwrites it in place, when its
+name and size are the new file's (same layout: every byte is rewritten); what is left there is
+deleted after the commit. Overwriting a file's cached pages frees and allocates no pages and no
+disk blocks: on the dev VM (ext4), deleting a 44 MB file and writing and syncing a new one took
+24-27 ms of kernel time, overwriting it in place 12-13 ms (a scratch script, medians of 7-12
+tries, 1 s and 4 s apart).
 """
 
 from __future__ import annotations
@@ -86,6 +95,7 @@ from bubbleguard.checkpoint.tiers.dcp_layout import DcpLayout, LayoutError
 
 RANK_FORMAT = "bubbleguard-durable-rank/1"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_RECYCLED = ".recycled"  # not a step directory: readers and discovery never look inside
 
 
 @dataclass(frozen=True)
@@ -154,12 +164,18 @@ class DurableTier(Tier):
         self._layout: DcpLayout | None = None
         self.layout_error: str | None = None  # why the last save's layout cannot be replayed
         self.replayed = 0  # writes done by replaying a layout instead of dcp.save
+        self.recycled = 0  # data files of this rank overwritten in place (module docstring)
 
     # ----------------------------------------------------------------- paths
 
     def step_dir(self, step: int) -> str:
         """Directory of ``step`` inside the root's filesystem."""
         return f"{self.root.rstrip('/')}/step-{step:08d}"
+
+    @property
+    def _recycled_dir(self) -> str:
+        """Where rank 0 moves the checkpoint that a replayed write overwrites in place."""
+        return f"{self.root.rstrip('/')}/{_RECYCLED}"
 
     def _rank_file(self, step: int, rank: int) -> str:
         return f"{self.step_dir(step)}/rank-{rank:05d}.json"
@@ -247,7 +263,7 @@ class DurableTier(Tier):
         step_dir = self.step_dir(step)
         error: OSError | None = None
         try:
-            self._layout.write_files(step_dir, tensors)
+            self.recycled += self._layout.write_files(step_dir, tensors, self._recycled_dir)
         except OSError as e:
             error = e
         written = self._all_ok(error is None)
@@ -311,25 +327,50 @@ class DurableTier(Tier):
         write_marker(self.fs, step_dir, CommitMarker("durable", step, self.num_ranks, tuple(parts)))
 
     def _retain(self) -> None:
-        self._prune(keep=self.keep_last)
+        self._clear_recycled()
+        for old in self._doomed(keep=self.keep_last):
+            self._discard(old)
 
     def _make_room(self, step: int) -> None:
         """Before writing ``step``: delete what retention will delete once it commits (see the
-        module docstring); at least the newest committed checkpoint stays."""
-        self._prune(keep=max(self.keep_last - 1, 1), before=step)
+        module docstring); at least the newest committed checkpoint stays. With a layout to
+        replay, the oldest of them is moved aside for the write to overwrite instead."""
+        doomed = self._doomed(keep=max(self.keep_last - 1, 1), before=step)
+        self._clear_recycled()
+        if doomed and self._layout is not None:
+            self._recycle(doomed.pop(0))
+        for old in doomed:
+            self._discard(old)
 
-    def _prune(self, keep: int, before: int | None = None) -> None:
-        """Delete the steps older than ``before`` (default: up to the newest committed one)
-        but the newest ``keep`` committed ones."""
+    def _doomed(self, keep: int, before: int | None = None) -> list[int]:
+        """The steps older than ``before`` (default: up to the newest committed one) but the
+        newest ``keep`` committed ones, oldest first."""
         infos = self.checkpoints()
         if before is None:
             newest = [i.step for i in infos if i.committed][-1:]
             before = newest[0] + 1 if newest else 0
         infos = [i for i in infos if i.step < before]
         committed = [i.step for i in infos if i.committed]
-        doomed = set(committed[:-keep]) | {i.step for i in infos if not i.committed}
-        for old in sorted(doomed):
-            self._discard(old)
+        return sorted(set(committed[:-keep]) | {i.step for i in infos if not i.committed})
+
+    def _recycle(self, step: int) -> None:
+        """Move ``step``'s directory to the recycled one, its marker deleted first (a crash
+        midway leaves an incomplete step, never a committed one with files missing)."""
+        path = self.step_dir(step)  # a local path: only a local root replays layouts
+        try:
+            if os.path.lexists(f"{path}/{MARKER_NAME}"):
+                os.remove(f"{path}/{MARKER_NAME}")
+            os.rename(path, self._recycled_dir)
+        except OSError:
+            self._discard(step)
+
+    def _clear_recycled(self) -> None:
+        """Delete what the last write did not take from the recycled directory."""
+        if self.reuse_layout and os.path.lexists(self._recycled_dir):
+            try:
+                self.fs.rm(self._recycled_dir, recursive=True)
+            except OSError:
+                pass  # best effort, as in _discard; the next write tries again
 
     def _discard(self, step: int) -> None:
         path = self.step_dir(step)
