@@ -87,6 +87,10 @@ class StepHooks(Protocol):
         ...
 
 
+_HANDOFF_S = 50e-6
+"""On the CPU, how long the bubble thread sleeps when woken for a wait, before its first unit:
+time for the training thread, which it would otherwise preempt, to enter the receive."""
+
 _DEVICE_POLL_S = 0.0005
 """How often the helper thread looks again for a device copy that has landed (GPU)."""
 
@@ -151,6 +155,15 @@ class _BubbleWorker:
                     return
             assert self._hooks is not None
             poll = self._device.type == "cuda"
+            if not poll:
+                # Woken by resume(), this thread preempts the training thread on its way into
+                # the receive, then holds the core for up to a tick in the wait's first unit
+                # (a snapshot's capture, in Python, at normal priority): the receive then
+                # starts late. Let the training thread reach its wait first (perf sched, 12 s
+                # of `bubbleguard train` at the benchmark's size: the training threads spent
+                # 40-54 ms preempted by this thread, mostly 1.6-3.2 ms once per step; 0-3 ms
+                # with this sleep).
+                time.sleep(_HANDOFF_S)
             try:
                 while self._want:
                     t0 = time.perf_counter()
