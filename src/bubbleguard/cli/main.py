@@ -62,6 +62,9 @@ def _add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> N
     p.add_argument("--no-bind-cores", action="store_true",
                    help="do not pin each rank to cores of its own (pinned by default when the "
                         "machine has a core per rank thread)")
+    p.add_argument("--no-keep-heap", action="store_true",
+                   help="let each rank's malloc return freed memory to the kernel (by default it "
+                        "keeps it for the next step: fewer page faults per step)")
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--ckpt", choices=CHECKPOINT_MODES, default=defaults.ckpt,
                     help="checkpoint mode: ours (bubble) or a baseline")
@@ -147,6 +150,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
                        schedule=args.schedule, steps=args.steps, seed=args.seed, lr=args.lr,
                        model_options=options, trace=args.trace, metrics=args.metrics,
                        progress=not args.no_progress, bind_cores=not args.no_bind_cores,
+                       keep_heap=not args.no_keep_heap,
                        ckpt=args.ckpt, ckpt_dir=args.ckpt_dir,
                        ckpt_every=args.ckpt_every, persist_every=args.persist_every,
                        keep_last=args.keep_last, persist_when_busy=args.persist_when_busy,
