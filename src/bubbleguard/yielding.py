@@ -38,8 +38,7 @@ import threading
 import numpy as np
 
 __all__ = ["ENTER_KERNEL", "PIECE_BYTES", "YIELD", "YieldFlag", "current",
-           "idle_priority_is_reversible", "install", "let_preemption_in",
-           "restore_normal_priority"]
+           "idle_priority_is_reversible", "install", "restore_normal_priority"]
 
 PIECE_BYTES = 256 << 10
 """Bytes copied between two yields: ~13 us at the ~20 GB/s snapshot copy ``overhead.py`` measured
@@ -120,16 +119,3 @@ def restore_normal_priority(native_id: int) -> None:
     Only call where :func:`idle_priority_is_reversible` said so.
     """
     os.sched_setscheduler(native_id, os.SCHED_OTHER, os.sched_param(0))
-
-
-def let_preemption_in() -> None:
-    """Enter the kernel once (a cheap system call), where a pending wake-up preemption of the
-    calling thread takes effect.
-
-    This kernel applies a wake-up preemption lazily (at the running thread's next return from
-    the kernel, or at the next tick, 4 ms on the dev VM), so a thread at ``SCHED_IDLE`` doing
-    long stretches of user-space work between system calls keeps a woken training thread
-    waiting up to a tick. Calling this every few hundred microseconds of such work bounds that
-    wait; elsewhere it costs one system call.
-    """
-    os.getppid()

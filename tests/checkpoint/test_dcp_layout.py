@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 import subprocess
@@ -17,7 +16,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from bubbleguard.checkpoint.state import StageState, capture_state
-from bubbleguard.checkpoint.tiers import dcp_layout
 from bubbleguard.checkpoint.tiers.dcp_layout import DcpLayout, LayoutError
 from bubbleguard.checkpoint.tiers.durable import DurableTier
 from tests.checkpoint.ckpt_testlib import (
@@ -229,38 +227,3 @@ def test_two_ranks_replay_and_one_process_reads_the_whole_model(tmp_path: Path) 
         sd = {k: torch.empty_like(v) for k, v in expected.items()}
         dcp.load(sd, checkpoint_id=str(root / f"step-{step:08d}"), no_dist=True)
         assert_same_tensors(sd, expected)
-
-
-def test_files_are_written_in_pieces_and_partial_writes_resume(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch
-                                                               ) -> None:
-    # Buffers of awkward sizes: some smaller than a piece, one spanning several.
-    buffers: list[bytes | memoryview] = [bytes([i % 251]) * n
-                                         for i, n in enumerate((5, 3000, 70000, 1, 9000))]
-    monkeypatch.setattr(dcp_layout, "WRITE_PIECE_BYTES", 4096)
-    calls: list[int] = []
-    real_writev = os.writev
-
-    def writev(fd: int, views: list[memoryview]) -> int:
-        size = sum(len(v) for v in views)
-        calls.append(size)
-        # Every third call writes only part of what it was given (a signal, a full pipe).
-        limit = size if len(calls) % 3 else max(1, size // 3)
-        taken, left = [], limit
-        for v in views:
-            taken.append(v[:left])
-            left -= len(taken[-1])
-        return real_writev(fd, taken)
-
-    monkeypatch.setattr(dcp_layout.os, "writev", writev)
-    path = tmp_path / "data"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        written = dcp_layout._write_all(fd, buffers)
-    finally:
-        os.close(fd)
-    expected = b"".join(bytes(b) for b in buffers)
-    assert written == len(expected)
-    assert path.read_bytes() == expected
-    assert max(calls) <= 4096
-    assert len(calls) > len(expected) // 4096  # pieces, and the partial writes resumed

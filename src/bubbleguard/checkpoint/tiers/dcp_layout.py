@@ -25,7 +25,6 @@ agrees on that over its process group).
 
 from __future__ import annotations
 
-import collections
 import copy
 import io
 import os
@@ -43,9 +42,6 @@ _METADATA = ".metadata"
 _ZIP_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # 30 bytes, then the name and the extra field
 _ZIP_LOCAL_SIGNATURE = 0x04034B50
 _IOV_MAX = 1024  # Linux's limit on the buffers of one writev
-WRITE_PIECE_BYTES = 256 << 10
-"""The most one system call of :meth:`DcpLayout.write_files` writes (~70 us of the kernel's copy
-into the page cache on the dev VM, 44 MB in ~12 ms): see ``_write_all``."""
 
 Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
 
@@ -238,37 +234,15 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 
 def _write_all(fd: int, buffers: list[bytes | memoryview]) -> int:
-    """Write every buffer in order, at most :data:`WRITE_PIECE_BYTES` per ``writev``, resuming
-    after partial writes; the bytes written.
-
-    Pieces because the persist helper writes at ``SCHED_IDLE`` on a rank's core, and this kernel
-    applies a wake-up preemption only when the running thread returns from the kernel (or at
-    the next tick): one ``writev`` of a 44 MB stage is ~12 ms of copying into the page cache,
-    during which a rank whose data just arrived waited up to a tick for its core.
-    """
-    pending = collections.deque(memoryview(b).cast("B") for b in buffers if len(b))
+    """``writev`` every buffer, resuming after partial writes; the bytes written."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
     total = 0
-    while pending:
-        batch: list[memoryview] = []
-        size = 0
-        while pending and size < WRITE_PIECE_BYTES and len(batch) < _IOV_MAX:
-            view = pending[0]
-            take = min(len(view), WRITE_PIECE_BYTES - size)
-            batch.append(view[:take])
-            size += take
-            if take == len(view):
-                pending.popleft()
-            else:
-                pending[0] = view[take:]
-        n = os.writev(fd, batch)
+    while views:
+        n = os.writev(fd, views[:_IOV_MAX])
         total += n
-        if n < size:  # a partial write: what is left of the batch goes first next time
-            rest = []
-            for view in batch:
-                if n >= len(view):
-                    n -= len(view)
-                else:
-                    rest.append(view[n:])
-                    n = 0
-            pending.extendleft(reversed(rest))
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
     return total

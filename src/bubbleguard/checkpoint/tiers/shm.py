@@ -70,7 +70,6 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from bubbleguard import yielding
 from bubbleguard.checkpoint.atomic import atomic_write_json, fsync_dir
 from bubbleguard.checkpoint.checksum import MASK64, check_algorithm, checksum
 from bubbleguard.checkpoint.errors import CorruptSnapshotError, IncompleteCheckpointError
@@ -924,13 +923,7 @@ def _close_mapping(mm: mmap.mmap) -> None:
 
 
 def _verified_state(record: SnapshotRecord, buf: torch.Tensor, path: Path) -> StageState:
-    """The state in ``buf`` (the slot's bytes), each chunk checked against the record.
-
-    Between chunks the thread enters the kernel once: the persist helper runs this at
-    ``SCHED_IDLE`` on a rank's core, and a rank woken meanwhile gets the core at the end of the
-    chunk in hand (~0.5 ms for 4 MiB) instead of at the next tick (see
-    :func:`bubbleguard.yielding.let_preemption_in`).
-    """
+    """The state in ``buf`` (the slot's bytes), each chunk checked against the record."""
     layout = record.layout
     for chunk_id, expected in enumerate(record.checksums):
         start, end = layout.chunk_range(chunk_id)
@@ -939,7 +932,6 @@ def _verified_state(record: SnapshotRecord, buf: torch.Tensor, path: Path) -> St
                 f"snapshot of step {record.step}: chunk {chunk_id} (bytes {start}-{end}) of "
                 f"{path} fails its {record.checksum} checksum"
             )
-        yielding.let_preemption_in()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         tensors = tensors_from_region(layout, buf)
