@@ -6,8 +6,8 @@ above its mmap threshold (128 KiB at first, raised adaptively up to 32 MiB) are 
 freed, and the top of the heap is trimmed once more than the trim threshold is free. The next
 step then touches fresh pages, and each first touch is a page fault that zeroes the page.
 Measured on the dev VM (2-stage GPT at the overhead benchmark's size, 4 layers of width 384): ~3200
-minor faults per step per rank (``perf record -e minor-faults``), ~50 per iteration once the
-memory is kept. On a VM whose balloon reports free pages to the host (virtio-balloon
+minor faults per step per rank (``perf record -e minor-faults``); with the memory kept, 0.4-1.3
+per step per training thread (the overhead benchmark's thread counters, 150 rounds). On a VM whose balloon reports free pages to the host (virtio-balloon
 ``free page reporting``, on there), a returned page can also be taken away by the host, and its
 next touch faults on the host as well.
 
@@ -61,8 +61,7 @@ def keep_freed_memory() -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    # Setting either threshold also turns glibc's adaptive threshold off, so set the mmap one
-    # first: it decides which blocks the trim threshold then keeps.
+    # Either call also turns glibc's adaptive thresholds off.
     mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES) == 1
     trim_ok = libc.mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES) == 1
     return mmap_ok and trim_ok
