@@ -20,8 +20,14 @@ def test_a_killed_worker_restarts_as_a_new_incarnation_and_resumes_its_clock(tmp
     plan = FaultPlan(num_kills=1, downtime_s=0.5, kill_at_s=(1.0,), target="worker", worker=1)
     with PSJob(small_config("checkpoint", num_workers=2), workdir=tmp_path, splits=digits) as job:
         job.start()
-        # Room for the new actor to start and iterate: under a loaded full suite 3.5 s was not.
         job.train(8.0, faults=plan)
+        # A restarted actor imports torch in a fresh process: under a loaded full suite that took
+        # more than the 7 s left in the window (CI, Dec 7). Training goes on, without faults, until
+        # the new incarnation has iterated; what is asserted below does not depend on when.
+        for _ in range(6):
+            if any(r.worker == 1 and r.incarnation == 1 for r in job.iterations):
+                break
+            job.train(5.0)
         kinds = [e.kind for e in sorted(job.events, key=lambda e: e.time)]
         assert kinds == ["kill", "worker_restarted"]
         (recovery,) = recovery_times(job.events)
