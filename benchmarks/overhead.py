@@ -647,6 +647,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "block_steps": BLOCK_STEPS, "measured_steps_per_block": BLOCK_STEPS - 1,
                    "rounds": size["rounds"], "ckpt_every": 1, "persist_every": persist_every,
                    "busy_processes": args.busy},
+        "code": code_version(),
         "torch": torch.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
         "load_average_at_end": list(os.getloadavg()),
         "wall_s": time.perf_counter() - started,
@@ -689,6 +690,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     if identical is False:
         print("WARNING: the interleaved run's losses differ from a plain run's")
     print(f"written to {out / 'overhead.json'} ({doc['wall_s']:.0f} s)")
+
+
+def code_version() -> dict[str, Any]:
+    """The commit this file was run from and whether ``src/`` or ``benchmarks/`` differed from it
+    (a scratch build), so that runs of the same code can be told apart from others; ``{}``
+    outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"),
+                "modified": bool(git("status", "--porcelain", "--", "src", "benchmarks"))}
+    except (OSError, subprocess.CalledProcessError):
+        return {}
 
 
 def _ms(seconds: float | None) -> str:

@@ -26,6 +26,11 @@ def test_overhead_benchmark_tiny(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "overhead.json").read_text())
     cfg = doc["config"]
     assert doc["benchmark"] == "overhead" and cfg["stages"] == 2
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True)
+    if head.returncode == 0:  # a git checkout: the results name the commit they were run from
+        assert doc["code"]["commit"] == head.stdout.strip()
+        assert isinstance(doc["code"]["modified"], bool)
     assert cfg["ckpt_every"] == 1 and cfg["threads_per_rank"] == 1
     assert cfg["persist_every"] == cfg["block_steps"] == 10
     assert list(doc["modes"]) == MODES
