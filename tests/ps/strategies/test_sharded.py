@@ -22,11 +22,16 @@ def test_killing_one_shard_buffers_only_its_gradients(tmp_path: Path, digits: Da
     config = small_config("stateless", num_workers=2, num_shards=2)
     with PSJob(config, workdir=tmp_path, splits=digits) as job:
         job.start()
-        # A replacement server can take seconds to start on a loaded machine (once 4.4 s after
-        # the kill): the window leaves room for it to come back and take the backlog.
         job.train(8.0, faults=FaultPlan(num_kills=1, downtime_s=1.5, kill_at_s=(1.0,), shard=1))
-        recovered = [e.time - job.t0 for e in job.events if e.kind == "recovered"]
-        assert len(recovered) == 1 and recovered[0] < 8.0, f"shard 1 back at {recovered} s"
+        # A replacement server can take seconds to start on a loaded machine (once 4.4 s after
+        # the kill; a worker's restart took over 7 s in CI). If shard 1 is not back by the end
+        # of the window, wait for it and train on briefly, so that the workers hand it their
+        # backlog; what is asserted below does not depend on when it came back.
+        if not any(e.kind == "recovered" for e in job.events):
+            job.wait_for_event("recovered", since=job.t0, shard=1, timeout_s=120.0)
+            job.train(3.0)
+        recovered = [e for e in job.events if e.kind == "recovered"]
+        assert [e.shard for e in recovered] == [1]
         states = job.server_states()
         assert [s.shard for s in states] == [0, 1]
         assert sum(s.params.numel() for s in states) == sum(p.numel() for p in job._eval_model.module.parameters())
