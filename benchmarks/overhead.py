@@ -622,6 +622,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.rounds:
         size["rounds"] = args.rounds
     started = time.perf_counter()
+    code = code_version()  # now: the run takes an hour or more, and commits may land meanwhile
     bandwidth = measure_bandwidth(size, repeats=3 if args.tiny else 9)
     with tempfile.TemporaryDirectory(prefix="bubbleguard-overhead-") as work, \
             tempfile.TemporaryDirectory(prefix="bubbleguard-overhead-ckpt-",
@@ -647,7 +648,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "block_steps": BLOCK_STEPS, "measured_steps_per_block": BLOCK_STEPS - 1,
                    "rounds": size["rounds"], "ckpt_every": 1, "persist_every": persist_every,
                    "busy_processes": args.busy},
-        "code": code_version(),
+        "code": code,
         "torch": torch.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
         "load_average_at_end": list(os.getloadavg()),
         "wall_s": time.perf_counter() - started,
