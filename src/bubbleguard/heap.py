@@ -5,11 +5,12 @@ temporaries every iteration. glibc's ``malloc`` hands freed memory back to the k
 above its mmap threshold (128 KiB at first, raised adaptively up to 32 MiB) are unmapped when
 freed, and the top of the heap is trimmed once more than the trim threshold is free. The next
 step then touches fresh pages, and each first touch is a page fault that zeroes the page.
-Measured on the dev VM (2-stage GPT at the overhead benchmark's size, 4 layers of width 384): ~3200
-minor faults per step per rank (``perf record -e minor-faults``); with the memory kept, 0.4-1.3
-per step per training thread (the overhead benchmark's thread counters, 150 rounds). On a VM whose balloon reports free pages to the host (virtio-balloon
-``free page reporting``, on there), a returned page can also be taken away by the host, and its
-next touch faults on the host as well.
+Measured on the dev VM (2-stage GPT at the overhead benchmark's size, 4 layers of width 384):
+~3200 minor faults per step per rank (``perf record -e minor-faults``); with the memory kept,
+0.4-1.3 per step per training thread (the overhead benchmark's thread counters, 150 rounds). On
+a VM whose balloon reports free pages to the host (virtio-balloon ``free page reporting``, on
+there), a returned page can also be taken away by the host, and its next touch faults on the
+host as well.
 
 :func:`keep_freed_memory` raises both thresholds (``mallopt``), so freed blocks stay in the heap
 and are reused: the process keeps its peak footprint, as PyTorch's CUDA caching allocator does
