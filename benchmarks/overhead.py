@@ -6,6 +6,8 @@
 Setup: 2 pipeline stages x 1 thread (one rank per core), 1F1B with 4 microbatches, the built-in GPT
 sized so that one stage's state (parameters + AdamW state) is tens of MB; a snapshot every
 iteration and a durable persist every 10 for every mode (``--ckpt-every 1 --persist-every 10``).
+``--batch-size N`` (default 16) lengthens the step for the same state: the same copies and
+persists against more compute.
 
 Method: the modes take turns inside *one* training job (one torchrun launch), in blocks of 10
 steps. On a shared machine the speed drifts by 10% and more from one run to the next (on the dev
@@ -605,6 +607,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                                             "temporary directory under $TMPDIR)")
     parser.add_argument("--no-persist", action="store_true",
                         help="ablation: snapshots every step but no durable persists")
+    parser.add_argument("--batch-size", type=int, metavar="N",
+                        help="rows per iteration, a multiple of the 4 microbatches (default 16; "
+                             "tiny 8): a longer step for the same state to copy and persist")
     parser.add_argument("--busy", type=int, default=0, metavar="N",
                         help="run the job beside N busy processes (a machine shared with other "
                              "work; the bandwidth is measured before they start)")
@@ -621,6 +626,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     size = bench_size(args.tiny)
     if args.rounds:
         size["rounds"] = args.rounds
+    if args.batch_size is not None:
+        if args.batch_size <= 0 or args.batch_size % size["microbatches"]:
+            parser.error(f"--batch-size must be a positive multiple of {size['microbatches']} "
+                         f"(the microbatches), got {args.batch_size}")
+        size["batch_size"] = args.batch_size
     started = time.perf_counter()
     code = code_version()  # now: the run takes an hour or more, and commits may land meanwhile
     bandwidth = measure_bandwidth(size, repeats=3 if args.tiny else 9)

@@ -21,11 +21,13 @@ THREAD_COUNTERS = ["cpu_s", "run_delay_s", "minor_faults", "preempted"]
 @pytest.mark.timeout(240)
 def test_overhead_benchmark_tiny(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--tiny",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=230)
+                           "--batch-size", "12", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads((tmp_path / "overhead.json").read_text())
     cfg = doc["config"]
     assert doc["benchmark"] == "overhead" and cfg["stages"] == 2
+    assert cfg["batch_size"] == 12  # --batch-size, over the tiny size's 8
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                           text=True)
     if head.returncode == 0:  # a git checkout: the results name the commit they were run from
@@ -199,4 +201,13 @@ def test_overhead_benchmark_rejects_negative_busy(tmp_path: Path,
     err = benchlib.usage_error("overhead", ["--tiny", "--busy", "-1", "--out", str(tmp_path)],
                                capsys)
     assert "--busy must be >= 0, got -1" in err
+    assert not (tmp_path / "overhead.json").exists()
+
+
+@pytest.mark.parametrize("batch_size", ["10", "0"])
+def test_overhead_benchmark_rejects_a_batch_size_the_microbatches_do_not_divide(
+        tmp_path: Path, batch_size: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = benchlib.usage_error("overhead", ["--tiny", "--batch-size", batch_size, "--out",
+                                            str(tmp_path)], capsys)
+    assert f"--batch-size must be a positive multiple of 4 (the microbatches), got {batch_size}" in err
     assert not (tmp_path / "overhead.json").exists()
