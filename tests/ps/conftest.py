@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from bubbleguard.ps.config import RunConfig, TrainingConfig
+from bubbleguard.ps.job import PSJob
 from bubbleguard.ps.training.data import DataSplits, load_dataset
 
 
@@ -37,3 +38,16 @@ def small_config(strategy: str, *, num_workers: int = 3, **overrides: Any) -> Ru
         eval_every_s=0.25,
     )
     return replace(config, **overrides)
+
+
+def train_on_until_recovered(job: PSJob, *, shard: int = 0, more_s: float = 3.0) -> None:
+    """After a training window with a server kill: if ``shard`` has not recovered yet, wait for
+    it and train ``more_s`` seconds more, so that the workers reach the replacement.
+
+    A replacement can take seconds to start on a loaded machine (once 4.4 s after the kill; a
+    worker's restart took over 7 s in CI), longer than a fixed window leaves. What the tests
+    assert about the outage does not depend on when it ended.
+    """
+    if not any(e.kind == "recovered" and e.shard == shard for e in job.events):
+        job.wait_for_event("recovered", since=job.t0 or 0.0, shard=shard, timeout_s=120.0)
+        job.train(more_s)

@@ -13,7 +13,7 @@ from bubbleguard.ps.config import FaultPlan
 from bubbleguard.ps.core.metrics import lost_update_ids
 from bubbleguard.ps.job import PSJob
 from bubbleguard.ps.training.data import DataSplits
-from tests.ps.conftest import small_config
+from tests.ps.conftest import small_config, train_on_until_recovered
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
@@ -23,13 +23,7 @@ def test_killing_one_shard_buffers_only_its_gradients(tmp_path: Path, digits: Da
     with PSJob(config, workdir=tmp_path, splits=digits) as job:
         job.start()
         job.train(8.0, faults=FaultPlan(num_kills=1, downtime_s=1.5, kill_at_s=(1.0,), shard=1))
-        # A replacement server can take seconds to start on a loaded machine (once 4.4 s after
-        # the kill; a worker's restart took over 7 s in CI). If shard 1 is not back by the end
-        # of the window, wait for it and train on briefly, so that the workers hand it their
-        # backlog; what is asserted below does not depend on when it came back.
-        if not any(e.kind == "recovered" for e in job.events):
-            job.wait_for_event("recovered", since=job.t0, shard=1, timeout_s=120.0)
-            job.train(3.0)
+        train_on_until_recovered(job, shard=1)  # and the workers hand it their backlog
         recovered = [e for e in job.events if e.kind == "recovered"]
         assert [e.shard for e in recovered] == [1]
         states = job.server_states()
