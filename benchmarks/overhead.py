@@ -627,10 +627,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.rounds:
         size["rounds"] = args.rounds
     if args.batch_size is not None:
-        if args.batch_size <= 0 or args.batch_size % size["microbatches"]:
-            parser.error(f"--batch-size must be a positive multiple of {size['microbatches']} "
-                         f"(the microbatches), got {args.batch_size}")
         size["batch_size"] = args.batch_size
+        try:  # the training configuration's own checks, before the long bandwidth measurement
+            _train_config(size, 1, "")
+        except ValueError as e:
+            parser.error(str(e))
     started = time.perf_counter()
     code = code_version()  # now: the run takes an hour or more, and commits may land meanwhile
     bandwidth = measure_bandwidth(size, repeats=3 if args.tiny else 9)
